@@ -1,0 +1,91 @@
+"""Ranking metrics shared by every stage: full-catalogue retrieval and K-candidate re-ranking.
+
+All functions take the 0-based rank of the target (0 = first place, -1 = the
+target is absent from the ranked list) so that one definition of Recall@k and
+NDCG@k serves the pre-ranker, the re-rankers and the baselines alike.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+
+
+def recall_at_k(ranks: np.ndarray, k: int) -> float:
+    """Share of examples whose target is in the top k.
+
+    Args:
+        ranks: (n,) int, 0-based rank of the target, -1 when absent.
+    """
+    if ranks.size == 0:
+        return 0.0
+    return float(np.mean((ranks >= 0) & (ranks < k)))
+
+
+def ndcg_at_k(ranks: np.ndarray, k: int) -> float:
+    """NDCG@k with a single relevant item: 1 / log2(rank + 2) when rank < k, else 0.
+
+    Args:
+        ranks: (n,) int, 0-based rank of the target, -1 when absent.
+    """
+    if ranks.size == 0:
+        return 0.0
+    hit = (ranks >= 0) & (ranks < k)
+    gains = np.where(hit, 1.0 / np.log2(np.maximum(ranks, 0) + 2.0), 0.0)
+    return float(np.mean(gains))
+
+
+def ranking_metrics(
+    ranks: np.ndarray, recall_ks: Iterable[int], ndcg_ks: Iterable[int]
+) -> dict[str, float]:
+    """`{"recall@k": ..., "ndcg@k": ..., "n": n}` for the given cut-offs.
+
+    Args:
+        ranks: (n,) int, 0-based rank of the target, -1 when absent.
+    """
+    out: dict[str, float] = {f"recall@{k}": recall_at_k(ranks, k) for k in recall_ks}
+    out.update({f"ndcg@{k}": ndcg_at_k(ranks, k) for k in ndcg_ks})
+    out["n"] = int(ranks.size)
+    return out
+
+
+def rank_in_lists(lists: np.ndarray, targets: np.ndarray) -> np.ndarray:
+    """0-based position of each target in its ranked list, -1 when absent.
+
+    Args:
+        lists: (n, K) int item ids, best first.
+        targets: (n,) int item ids.
+    Returns:
+        (n,) int64.
+    """
+    hits = lists == targets[:, None]
+    found = hits.any(axis=1)
+    return np.where(found, hits.argmax(axis=1), -1).astype(np.int64)
+
+
+def target_rank_full(
+    scores: np.ndarray, targets: np.ndarray, exclude: Sequence[Sequence[int]]
+) -> np.ndarray:
+    """0-based rank of each target among all catalogue items (full ranking).
+
+    Item 0 (padding) and the items in `exclude[i]` (the user's history) are never
+    ranked, since a recommender must not return them; ties count against the
+    target (pessimistic), so a constant scorer gets no credit.
+
+    Args:
+        scores: (n, V) float, V = num_items + 1, column j scores item j.
+        targets: (n,) int item ids in 1..V-1.
+        exclude: n lists of item ids to drop (the target itself is never dropped).
+    Returns:
+        (n,) int64 ranks in 0..V-2.
+    """
+    s = np.array(scores, dtype=np.float32, copy=True)
+    s[:, 0] = -np.inf
+    rows = np.arange(len(targets))
+    target_scores = s[rows, targets].copy()
+    for i, hist in enumerate(exclude):
+        if len(hist):
+            s[i, np.asarray(hist, dtype=np.int64)] = -np.inf
+    s[rows, targets] = -np.inf
+    return (s >= target_scores[:, None]).sum(axis=1).astype(np.int64)
