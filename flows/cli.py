@@ -1,0 +1,128 @@
+"""`gr2`: the user-facing command.
+
+    gr2 run [--stage S] [--force]     run the pipeline flow (Prefect) over the DVC stages
+    gr2 stages                        the stages in DVC's order, and which are out of date
+    gr2 workspace DEST --profile P    a self-contained copy of the project with a params profile
+    gr2 data download                 fetch the public raw Amazon review files
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+# Quiet, offline-friendly defaults for every tool the pipeline drives
+# (shared/notes/STACK.md); a user's own settings win.
+ENV_DEFAULTS = {
+    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    "DO_NOT_TRACK": "1",
+    "MLFLOW_DISABLE_TELEMETRY": "true",
+    "DVC_NO_ANALYTICS": "1",
+    "HF_HUB_OFFLINE": "1",
+}
+
+
+def _where_to_look(root: Path) -> str:
+    uri = os.environ.get("MLFLOW_TRACKING_URI", f"sqlite:///{root / 'mlflow.db'}")
+    return "\n".join(
+        [
+            "Where to look:",
+            f"  MLflow UI:    mlflow ui --backend-store-uri {uri}   (then http://127.0.0.1:5000)",
+            "  Prefect UI:   prefect server start                  (then http://127.0.0.1:4200; flow 'gr2-pipeline')",
+            f"  DVC metrics:  cd {root} && dvc metrics show",
+        ]
+    )
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from flows.pipeline import pipeline
+    from tasks.common import ParamsError
+    from tasks.tracking import configure
+
+    root = Path(args.root).resolve()
+    if not (root / "dvc.yaml").exists():
+        print(f"error: {root}/dvc.yaml not found; run from the project root or pass --root", file=sys.stderr)
+        return 2
+    configure(root)
+    try:
+        summaries = pipeline(root=str(root), stages=args.stage or None, force=args.force)
+    except (RuntimeError, ValueError, ParamsError) as exc:
+        print(f"\npipeline failed: {exc}", file=sys.stderr)
+        return 1
+    print("\nStage      status    seconds")
+    for s in summaries:
+        print(f"{s['stage']:<10} {s['status']:<9} {s['seconds']:>7}")
+        if reg := s.get("registered"):
+            print(f"{'':<10} registered {reg['model']} version {reg['version']} ({'new' if reg['created'] else 'existing'})")
+    print("\n" + _where_to_look(root))
+    return 0
+
+
+def cmd_stages(args: argparse.Namespace) -> int:
+    from flows.dvc_stages import changed_stages, stage_order
+
+    root = Path(args.root).resolve()
+    changed = changed_stages(root)
+    for name in stage_order(root):
+        print(f"{name:<12} {'changed' if name in changed else 'up to date'}")
+    return 0
+
+
+def cmd_workspace(args: argparse.Namespace) -> int:
+    from flows.workspace import make_workspace
+
+    dest = make_workspace(Path(args.root), Path(args.dest), args.profile, Path(args.data_dir) if args.data_dir else None)
+    print(f"workspace ready: {dest}\n  cd {dest} && gr2 run")
+    return 0
+
+
+def cmd_data_download(args: argparse.Namespace) -> int:
+    from gr2model.data import download_raw
+
+    dest = Path(args.dest)
+    download_raw(args.category, dest)
+    print(f"downloaded to {dest}. Point the pipeline at it: set `prepare.data_dir: {dest}` in params.yaml")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="gr2", description="Diffusion-GR2 pipeline: train, measure, register and promote re-rankers.")
+    parser.add_argument("--root", default=".", help="project folder holding dvc.yaml (default: current folder)")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="run the pipeline (Prefect flow over the DVC stages; MLflow tracking)")
+    run.add_argument("--stage", action="append", help="run up to and including this stage (repeatable); default all")
+    run.add_argument("--force", action="store_true", help="rerun stages even if DVC finds them up to date")
+    run.set_defaults(fn=cmd_run)
+
+    stages = sub.add_parser("stages", help="list the stages in DVC order and whether each is up to date")
+    stages.set_defaults(fn=cmd_stages)
+
+    ws = sub.add_parser("workspace", help="copy the project into a new folder with a params profile (e.g. smoke)")
+    ws.add_argument("dest")
+    ws.add_argument("--profile", default=None, help="profiles/<name>.yaml merged over params.yaml")
+    ws.add_argument("--data-dir", default=None, help="data folder for the copy (default: the project's prepare.data_dir)")
+    ws.set_defaults(fn=cmd_workspace)
+
+    data = sub.add_parser("data", help="data helpers")
+    data_sub = data.add_subparsers(dest="data_command", required=True)
+    dl = data_sub.add_parser("download", help="download the public Amazon review files (5-core reviews + metadata)")
+    dl.add_argument("--category", default="Beauty")
+    dl.add_argument("--dest", default="data/raw/beauty")
+    dl.set_defaults(fn=cmd_data_download)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    for key, value in ENV_DEFAULTS.items():
+        os.environ.setdefault(key, value)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    args = build_parser().parse_args(argv)
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,89 @@
+"""What the flow asks DVC: the stage order, whether a stage is up to date, the hashes it recorded.
+
+The pipeline order is written once, in dvc.yaml; this module reads it from DVC's
+own graph instead of keeping a second list.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+log = logging.getLogger("flows.dvc")
+
+DVC_ENV = {"DVC_NO_ANALYTICS": "1"}
+
+
+def stage_order(root: Path) -> list[str]:
+    """Stage names of dvc.yaml in an order that respects every dependency."""
+    import networkx as nx
+    from dvc.repo import Repo
+
+    with Repo(str(root)) as repo:
+        graph = repo.index.graph
+        # DVC's edges point from a stage to the stages it depends on.
+        stages = [s for s in reversed(list(nx.topological_sort(graph))) if getattr(s, "name", None)]
+        return [s.name for s in stages]
+
+
+def changed_stages(root: Path) -> set[str]:
+    """Stages whose deps, params or outs differ from dvc.lock (what `dvc repro` would run)."""
+    from dvc.repo import Repo
+
+    with Repo(str(root)) as repo:
+        status = repo.status()
+    return {key.split(":")[-1] for key in status}
+
+
+def repro(root: Path, stage: str, env: dict[str, str] | None = None, force: bool = False) -> None:
+    """Run one stage through the DVC CLI (the same path as a user's `dvc repro`).
+
+    Output streams to this process's logs line by line; a failure raises with the
+    stage's last lines.
+    """
+    cmd = [sys.executable, "-m", "dvc", "repro", "--single-item", stage]
+    if force:
+        cmd.append("--force")
+    full_env = {**os.environ, **DVC_ENV, **(env or {})}
+    # dvc.yaml says `python -m tasks.<stage>`: make that the interpreter running us
+    # (the project's venv) even when the venv is not activated.
+    full_env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), full_env.get("PATH", "")])
+    proc = subprocess.Popen(cmd, cwd=root, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+    tail: list[str] = []
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        line = line.rstrip()
+        # tqdm redraws with carriage returns; keep the last state of the line.
+        line = line.split("\r")[-1]
+        if line:
+            log.info("[%s] %s", stage, line)
+            tail = (tail + [line])[-20:]
+    if proc.wait() != 0:
+        raise RuntimeError(f"stage '{stage}' failed (exit {proc.returncode}):\n" + "\n".join(tail))
+
+
+def lock_entry(root: Path, stage: str) -> dict[str, Any]:
+    """The stage's record in dvc.lock: `{"deps": {path: md5}, "outs": {path: md5}, "params": {...}}`."""
+    lock_path = root / "dvc.lock"
+    if not lock_path.exists():
+        return {"deps": {}, "outs": {}, "params": {}}
+    entry = (yaml.safe_load(lock_path.read_text()) or {}).get("stages", {}).get(stage, {})
+    return {
+        "deps": {d["path"]: d.get("md5") for d in entry.get("deps", [])},
+        "outs": {o["path"]: o.get("md5") for o in entry.get("outs", [])},
+        "params": entry.get("params", {}),
+    }
+
+
+def lineage_tags(root: Path, stage: str) -> dict[str, str]:
+    """MLflow tags naming the DVC hashes of a stage's inputs and outputs."""
+    entry = lock_entry(root, stage)
+    tags = {f"dvc.dep.{path}": str(md5) for path, md5 in entry["deps"].items()}
+    tags.update({f"dvc.out.{path}": str(md5) for path, md5 in entry["outs"].items()})
+    return tags

@@ -1,0 +1,162 @@
+"""The pipeline flow: every DVC stage as a Prefect task, tracked in MLflow, models registered.
+
+Order comes from DVC's graph (dvc.yaml), never from a list here. Each stage runs
+through `dvc repro --single-item`, so DVC decides what is up to date and records
+what made what in dvc.lock; Prefect adds status, timing, logs, retries and
+artifacts; MLflow gets one run per executed stage, nested under the flow's run,
+tagged with git and DVC lineage. No Prefect result caching is stacked on DVC's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from prefect import flow, get_run_logger, task
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
+from prefect.cache_policies import NO_CACHE
+from prefect.runtime import flow_run
+
+from flows import dvc_stages
+from flows.registry import MODEL_STAGES, register_checkpoint
+from tasks.tracking import configure, experiment_id, flatten, git_lineage
+
+
+def _read_metrics(root: Path, stage: str) -> dict[str, Any]:
+    path = root / "metrics" / f"{stage}.json"
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+# Retrying a stage is safe: every stage writes its outputs to temporary names
+# and renames them, and DVC reruns it from its inputs.
+@task(retries=1, retry_delay_seconds=5, cache_policy=NO_CACHE)
+def run_stage(stage: str, root: str, parent_run_id: str, force: bool = False) -> dict[str, Any]:
+    """Run one DVC stage if its inputs changed; returns status, seconds, MLflow run id and metrics."""
+    from mlflow import MlflowClient
+
+    logger = get_run_logger()
+    rootp = Path(root)
+    if not force and stage not in dvc_stages.changed_stages(rootp):
+        logger.info("stage %s is up to date (DVC): skipped", stage)
+        return {"stage": stage, "status": "skipped", "seconds": 0.0, "run_id": None, "metrics": _read_metrics(rootp, stage)}
+
+    client = MlflowClient()
+    tags = {
+        "mlflow.parentRunId": parent_run_id,
+        "gr2.stage": stage,
+        "prefect.flow_run_id": str(flow_run.get_id() or ""),
+        **git_lineage(rootp),
+    }
+    run = client.create_run(experiment_id(rootp), run_name=stage, tags=tags)
+    run_id = run.info.run_id
+    logger.info("stage %s: running (MLflow run %s)", stage, run_id)
+    start = time.perf_counter()
+    try:
+        dvc_stages.repro(rootp, stage, env={"MLFLOW_RUN_ID": run_id, "GR2_ROOT": str(rootp)}, force=force)
+    except Exception:
+        client.set_terminated(run_id, "FAILED")
+        raise
+    seconds = round(time.perf_counter() - start, 1)
+    for key, value in dvc_stages.lineage_tags(rootp, stage).items():
+        client.set_tag(run_id, key, value)
+    client.log_metric(run_id, "stage_seconds", seconds)
+    logger.info("stage %s: done in %.1f s", stage, seconds)
+    return {"stage": stage, "status": "ran", "seconds": seconds, "run_id": run_id, "metrics": _read_metrics(rootp, stage)}
+
+
+@task(retries=2, retry_delay_seconds=2, cache_policy=NO_CACHE)
+def register_model(stage: str, root: str, summary: dict[str, Any]) -> dict[str, Any]:
+    """Register the stage's checkpoint (once per DVC hash) with lineage tags and alias `challenger`."""
+    from mlflow import MlflowClient
+
+    logger = get_run_logger()
+    rootp = Path(root)
+    spec = MODEL_STAGES[stage]
+    entry = dvc_stages.lock_entry(rootp, stage)
+    md5 = entry["outs"].get(spec.checkpoint)
+    if not md5:
+        raise RuntimeError(f"dvc.lock has no hash for {spec.checkpoint}; did stage '{stage}' run?")
+    run_id = summary["run_id"]
+    if run_id is None:
+        # Skipped by DVC: register against the run that made this checkpoint, if it is in this store.
+        found = MlflowClient().search_runs(
+            [experiment_id(rootp)], filter_string=f"tags.`dvc.out.{spec.checkpoint}` = '{md5}'", max_results=1
+        )
+        if not found:
+            logger.info("%s: checkpoint %s has no MLflow run in this store; not registering", spec.model_name, md5)
+            return {"model": spec.model_name, "version": None, "created": False}
+        run_id = found[0].info.run_id
+    tags = {
+        **git_lineage(rootp),
+        **dvc_stages.lineage_tags(rootp, stage),
+        "prefect.flow_run_id": str(flow_run.get_id() or ""),
+    }
+    # The evaluation numbers travel with the version so promotion can read them.
+    for key, value in flatten(summary["metrics"]).items():
+        if isinstance(value, (int, float)) and key.split(".")[0] in {"full_ranking", "rerank"}:
+            tags[f"metric.{key}"] = str(value)
+    version, created = register_checkpoint(spec, rootp, md5, run_id, tags)
+    logger.info("%s version %s (%s)", spec.model_name, version, "new" if created else "already registered")
+    return {"model": spec.model_name, "version": version, "created": created}
+
+
+def _summary_table(summaries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    rows = []
+    for s in summaries:
+        m = s["metrics"]
+        rows.append(
+            {
+                "stage": s["stage"],
+                "status": s["status"],
+                "seconds": s["seconds"],
+                "mlflow_run": s["run_id"] or "",
+                "metrics": ", ".join(f"{k}={v}" for k, v in m.items() if isinstance(v, (int, float)))[:300],
+            }
+        )
+    return rows
+
+
+@flow(name="gr2-pipeline", log_prints=True)
+def pipeline(root: str = ".", stages: list[str] | None = None, force: bool = False) -> list[dict[str, Any]]:
+    """Run the DVC stages in graph order (all, or up to and including the named ones)."""
+    from mlflow import MlflowClient
+
+    logger = get_run_logger()
+    rootp = Path(root).resolve()
+    os.environ["GR2_ROOT"] = str(rootp)
+    configure(rootp)
+    order = dvc_stages.stage_order(rootp)
+    if stages:
+        unknown = sorted(set(stages) - set(order))
+        if unknown:
+            raise ValueError(f"unknown stage(s) {unknown}; dvc.yaml has {order}")
+        last = max(order.index(s) for s in stages)
+        order = order[: last + 1]
+    logger.info("stages in DVC order: %s", " -> ".join(order))
+
+    client = MlflowClient()
+    parent = client.create_run(
+        experiment_id(rootp),
+        run_name="pipeline",
+        tags={"prefect.flow_run_id": str(flow_run.get_id() or ""), **git_lineage(rootp)},
+    )
+    parent_id = parent.info.run_id
+    summaries: list[dict[str, Any]] = []
+    status = "FAILED"
+    try:
+        for stage in order:
+            summary = run_stage.with_options(name=stage)(stage, str(rootp), parent_id, force)
+            if stage in MODEL_STAGES:
+                summary["registered"] = register_model.with_options(name=f"register-{stage}")(stage, str(rootp), summary)
+            summaries.append(summary)
+        status = "FINISHED"
+    finally:
+        client.set_terminated(parent_id, status)
+        if summaries:
+            create_table_artifact(_summary_table(summaries), key="gr2-pipeline-stages", description="Stages of this run")
+            md = "\n\n".join(f"### {s['stage']} ({s['status']})\n```json\n{json.dumps(s['metrics'], indent=2)}\n```" for s in summaries)
+            create_markdown_artifact(md, key="gr2-pipeline-metrics", description="metrics/<stage>.json of every stage")
+    return summaries

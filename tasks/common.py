@@ -1,0 +1,153 @@
+"""What every stage module shares: reading its params section, atomic writes, logging, timing.
+
+A stage is `run(config, paths) -> metrics` plus a thin `main()` that reads its
+section of `params.yaml`; DVC calls `python -m tasks.<stage>` and the Prefect flow
+runs the same command through DVC, so there is one way to run a stage.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+STAGES: tuple[str, ...] = (
+    "prepare",
+    "retrieve",
+    "traces",
+    "sft",
+    "ar_rl",
+    "trajectories",
+    "cft",
+    "opd",
+    "rl",
+    "evaluate",
+)
+"""Every stage name of the pipeline, in pipeline order (the DVC graph is the authority on order)."""
+
+PARAMS_FILE = "params.yaml"
+
+C = TypeVar("C", bound=BaseModel)
+
+
+class ParamsError(ValueError):
+    """A params.yaml problem; the message names the file and the offending field."""
+
+
+class StageConfig(BaseModel):
+    """Base of every stage's typed config: unknown keys are errors, not silently ignored."""
+
+    model_config = {"extra": "forbid", "frozen": True}
+
+
+def read_params(path: Path = Path(PARAMS_FILE)) -> dict[str, Any]:
+    """The whole params file as a dict, with a clear error when it is missing or malformed."""
+    if not path.exists():
+        raise ParamsError(f"{path}: file not found (run from the project root)")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise ParamsError(f"{path}: not valid YAML: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ParamsError(f"{path}: expected a mapping of stage sections, got {type(data).__name__}")
+    return data
+
+
+def load_stage_config(stage: str, model: type[C], path: Path = Path(PARAMS_FILE)) -> C:
+    """Validate the `stage` section of params.yaml into its typed config.
+
+    Errors name the file and the dotted field, e.g. `params.yaml: retrieve.train.lr: ...`.
+    """
+    params = read_params(path)
+    if stage not in params:
+        raise ParamsError(f"{path}: no section '{stage}'")
+    try:
+        return model.model_validate(params[stage] or {})
+    except ValidationError as exc:
+        lines = []
+        for err in exc.errors():
+            field = ".".join(str(p) for p in (stage, *err["loc"]))
+            lines.append(f"{path}: {field}: {err['msg']}")
+        raise ParamsError("\n".join(lines)) from exc
+
+
+def write_json_atomic(obj: Any, path: Path) -> None:
+    """Write JSON to a temporary sibling and rename, so readers never see half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as fh:
+            json.dump(obj, fh, indent=2, sort_keys=False)
+            fh.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+@contextmanager
+def atomic_dir(final: Path) -> Iterator[Path]:
+    """Yield a temporary sibling folder; on success it replaces `final` in one rename.
+
+    On any error the temporary folder is removed and `final` is left as it was.
+    """
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp.", dir=final.parent))
+    try:
+        yield tmp
+        if final.exists():
+            old = final.with_name(f".{final.name}.old")
+            shutil.rmtree(old, ignore_errors=True)
+            final.rename(old)
+            tmp.rename(final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def setup_logging(stage: str) -> logging.Logger:
+    """Log to stderr with timestamps; DVC and the Prefect task stream it."""
+    logging.basicConfig(
+        level=os.environ.get("GR2_LOG_LEVEL", "INFO"),
+        format=f"%(asctime)s {stage} %(name)s %(levelname)s %(message)s",
+        stream=sys.stderr,
+    )
+    return logging.getLogger(f"tasks.{stage}")
+
+
+@contextmanager
+def timed(log: logging.Logger, what: str, into: dict[str, float] | None = None, key: str | None = None) -> Iterator[None]:
+    """Log how long `what` took; optionally store the seconds in `into[key]`."""
+    start = time.perf_counter()
+    log.info("%s ...", what)
+    yield
+    seconds = time.perf_counter() - start
+    log.info("%s done in %.1f s", what, seconds)
+    if into is not None and key is not None:
+        into[key] = round(seconds, 2)
+
+
+def stage_main(stage: str, body) -> None:
+    """Run a stage's body, turning expected input errors into a one-line message and exit code 2."""
+    from gr2model.data import DataError
+
+    log = setup_logging(stage)
+    try:
+        body(log)
+    except (DataError, ParamsError) as exc:
+        log.error("%s", exc)
+        sys.exit(2)
