@@ -59,6 +59,9 @@ class PrepareConfig(StageConfig):
     sid_builder: SidBuilderConfig = SidBuilderConfig()
 
 
+CONFIG = PrepareConfig
+
+
 def load(cfg: PrepareConfig, root: Path, log: logging.Logger) -> tuple[Dataset, str]:
     """Load the configured source; returns the dataset and the format that was read."""
     data_dir = (root / cfg.data_dir).resolve()
@@ -138,7 +141,7 @@ def run(cfg: PrepareConfig, root: Path, log: logging.Logger) -> dict[str, Any]:
 
 def main() -> None:
     def body(log: logging.Logger) -> None:
-        cfg = load_stage_config(STAGE, PrepareConfig)
+        cfg = load_stage_config(STAGE, CONFIG)
         root = Path.cwd()
         with stage_run(STAGE, cfg.model_dump()) as tracker:
             metrics = run(cfg, root, log)

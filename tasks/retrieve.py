@@ -83,6 +83,9 @@ class RetrieveConfig(StageConfig):
     eval_chunk_size: int = 2048
 
 
+CONFIG = RetrieveConfig
+
+
 def _histories(df: pl.DataFrame) -> tuple[list[list[int]], np.ndarray]:
     return df["history"].to_list(), df["target"].to_numpy()
 
@@ -193,7 +196,7 @@ def run(cfg: RetrieveConfig, root: Path, log: logging.Logger, tracker: StageTrac
 def main() -> None:
     def body(log: logging.Logger) -> None:
         torch.set_num_threads(max(1, torch.get_num_threads()))
-        cfg = load_stage_config(STAGE, RetrieveConfig)
+        cfg = load_stage_config(STAGE, CONFIG)
         root = Path.cwd()
         with stage_run(STAGE, cfg.model_dump()) as tracker:
             metrics = run(cfg, root, log, tracker)

@@ -1,0 +1,133 @@
+"""The whole pipeline on the smoke profile: Prefect flow -> DVC stages -> MLflow runs and registry.
+
+One workspace (a copy of the project with profiles/smoke.yaml applied, on a
+slice of the real Beauty data) is run twice under Prefect's test harness: the
+first run executes every stage, the second finds everything up to date.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def smoke_run(tmp_path_factory: pytest.TempPathFactory, shared_data: Path) -> dict[str, Any]:
+    from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, PREFECT_HOME, PREFECT_RESULTS_LOCAL_STORAGE_PATH, temporary_settings
+    from prefect.testing.utilities import prefect_test_harness
+
+    from flows.pipeline import pipeline
+    from flows.workspace import make_workspace
+
+    base = tmp_path_factory.mktemp("smoke")
+    ws = make_workspace(ROOT, base / "ws", profile="smoke")
+    saved = {k: os.environ.get(k) for k in ("GR2_TRACKING", "MLFLOW_TRACKING_URI", "GR2_ROOT")}
+    os.environ["GR2_TRACKING"] = "on"
+    os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{ws / 'mlflow.db'}"
+    try:
+        with temporary_settings(
+            updates={
+                PREFECT_HOME: str(base / "prefect"),
+                PREFECT_RESULTS_LOCAL_STORAGE_PATH: str(base / "prefect-results"),
+                PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None,
+            }
+        ):
+            with prefect_test_harness():
+                first = pipeline(root=str(ws))
+                second = pipeline(root=str(ws))
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    return {"ws": ws, "first": first, "second": second}
+
+
+def _mlflow(ws: Path):
+    import mlflow
+    from mlflow import MlflowClient
+
+    mlflow.set_tracking_uri(f"sqlite:///{ws / 'mlflow.db'}")
+    return MlflowClient(f"sqlite:///{ws / 'mlflow.db'}")
+
+
+def test_stages_run_in_dvc_order_then_skip(smoke_run: dict[str, Any]) -> None:
+    assert [s["stage"] for s in smoke_run["first"]] == ["prepare", "retrieve"]
+    assert [s["status"] for s in smoke_run["first"]] == ["ran", "ran"]
+    assert [s["status"] for s in smoke_run["second"]] == ["skipped", "skipped"]
+    ws = smoke_run["ws"]
+    status = subprocess.run([sys.executable, "-m", "dvc", "status"], cwd=ws, capture_output=True, text=True, check=True)
+    assert "up to date" in status.stdout
+
+
+def test_dvc_outputs_and_metrics(smoke_run: dict[str, Any]) -> None:
+    ws = smoke_run["ws"]
+    prep = json.loads((ws / "metrics/prepare.json").read_text())
+    assert prep["users"] == 1500
+    assert prep["sid_unique_share"] == 1.0
+    ret = json.loads((ws / "metrics/retrieve.json").read_text())
+    for split in ("valid", "test"):
+        for model in ("popularity", "transition", "sasrec", "prerank"):
+            assert 0.0 <= ret["full_ranking"][split][model]["recall@10"] <= 1.0
+    for split in ("train", "valid", "test"):
+        assert ret["rerank"][split]["n"] > 0
+    for name in ("train", "valid", "test"):
+        assert (ws / f"data/candidates/{name}.parquet").exists()
+    assert (ws / "checkpoints/retriever/COMPLETE").exists()
+    lock = (ws / "dvc.lock").read_text()
+    assert "checkpoints/retriever" in lock and "data/prepared" in lock
+
+
+def test_mlflow_nested_runs_with_lineage(smoke_run: dict[str, Any]) -> None:
+    ws = smoke_run["ws"]
+    client = _mlflow(ws)
+    exp = client.get_experiment_by_name("diffusion-gr2")
+    runs = client.search_runs([exp.experiment_id])
+    parents = [r for r in runs if r.info.run_name == "pipeline"]
+    assert len(parents) == 2 and all(r.info.status == "FINISHED" for r in parents)
+    stage_runs = {r.info.run_name: r for r in runs if r.info.run_name in {"prepare", "retrieve"}}
+    # one run per stage execution: the second flow run executed nothing
+    assert len([r for r in runs if r.info.run_name in {"prepare", "retrieve"}]) == 2
+    first_parent = min(parents, key=lambda r: r.info.start_time)
+    for name, run in stage_runs.items():
+        assert run.data.tags["mlflow.parentRunId"] == first_parent.info.run_id
+        assert run.data.tags["gr2.stage"] == name
+        assert len(run.data.tags["git.commit"]) == 40
+        assert run.info.status == "FINISHED"
+    assert "dvc.out.checkpoints/retriever" in stage_runs["retrieve"].data.tags
+    assert stage_runs["prepare"].data.metrics["users"] == 1500
+    assert stage_runs["retrieve"].data.params["k"] == "10"
+    losses = client.get_metric_history(stage_runs["retrieve"].info.run_id, "sasrec.loss")
+    assert len(losses) >= 2, "per-epoch training metrics are logged"
+
+
+def test_retriever_registered_once_and_serves(smoke_run: dict[str, Any]) -> None:
+    import mlflow.pyfunc
+    import pandas as pd
+
+    ws = smoke_run["ws"]
+    client = _mlflow(ws)
+    versions = client.search_model_versions("name = 'gr2-retriever'")
+    assert len(versions) == 1, "the same checkpoint hash is registered once"
+    v = versions[0]
+    assert v.tags["stage"] == "retrieve"
+    assert v.tags["checkpoint_md5"] == v.tags["dvc.out.checkpoints/retriever"]
+    assert client.get_model_version_by_alias("gr2-retriever", "challenger").version == v.version
+    assert smoke_run["second"][1]["registered"]["created"] is False
+
+    model = mlflow.pyfunc.load_model("models:/gr2-retriever@challenger")
+    out = model.predict(pd.DataFrame({"history": [[1, 2, 3], [10]]}))
+    assert len(out) == 2
+    for hist, cands in zip([[1, 2, 3], [10]], out["candidates"], strict=True):
+        assert len(cands) == 10 and not set(hist) & set(cands)
