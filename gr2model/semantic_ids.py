@@ -23,6 +23,12 @@ from __future__ import annotations
 import numpy as np
 import scipy.sparse as sp
 from sklearn.decomposition import TruncatedSVD
+from threadpoolctl import threadpool_limits  # installed with scikit-learn
+
+# The BLAS work here is mostly thin products (n x 64 by 64 x a few): threaded
+# OpenBLAS makes them up to 10x slower on a loaded 2-core machine, and a fixed
+# thread count also keeps results bit-identical from one machine to the next.
+_ONE_BLAS_THREAD = {"limits": 1, "user_api": "blas"}
 
 __all__ = [
     "item_embeddings",
@@ -96,7 +102,7 @@ def _svd(m: sp.csr_matrix, dim: int, seed: int) -> np.ndarray:
     out = np.zeros((m.shape[0], dim))
     k = min(dim, min(m.shape) - 1)
     if k >= 1 and m.nnz > 0:
-        svd = TruncatedSVD(n_components=k, algorithm="randomized", n_iter=7, random_state=seed)
+        svd = TruncatedSVD(n_components=k, algorithm="randomized", n_iter=5, random_state=seed)
         u = svd.fit_transform(m)  # = U * S
         out[:, :k] = u / np.sqrt(np.maximum(svd.singular_values_, 1e-12))
     norms = np.linalg.norm(out, axis=1, keepdims=True)
@@ -130,8 +136,9 @@ def item_embeddings(
     if dim < 2:
         raise ValueError(f"dim must be at least 2, got {dim}")
     d_co = dim // 2
-    co = _svd(_ppmi(_cooccurrence(train_sequences, num_items, window)), d_co, seed)
-    at = _svd(_tfidf_attributes(attributes, num_items), dim - d_co, seed)
+    with threadpool_limits(**_ONE_BLAS_THREAD):
+        co = _svd(_ppmi(_cooccurrence(train_sequences, num_items, window)), d_co, seed)
+        at = _svd(_tfidf_attributes(attributes, num_items), dim - d_co, seed)
     # Both halves are unit rows, so each signal carries equal weight when present.
     x = np.concatenate([co, at], axis=1)
     norms = np.linalg.norm(x, axis=1)
@@ -146,27 +153,31 @@ def item_embeddings(
     return x.astype(np.float32)
 
 
-def _sq_dists(x: np.ndarray, c: np.ndarray) -> np.ndarray:
-    """(n, k) squared Euclidean distances, clipped at 0 against rounding."""
-    d = (x * x).sum(1)[:, None] - 2.0 * x @ c.T + (c * c).sum(1)[None, :]
+def _sq_dists(x: np.ndarray, xx: np.ndarray, c: np.ndarray) -> np.ndarray:
+    """(n, k) squared Euclidean distances from x (n, d) to c (k, d), given xx = |x|^2
+    per row (computed once by the caller: it is the same at every step); clipped at 0
+    against rounding."""
+    d = xx[:, None] - 2.0 * (x @ c.T) + (c * c).sum(1)[None, :]
     return np.maximum(d, 0.0)
 
 
 def _kmeans(x: np.ndarray, k: int, *, seed: int, iters: int) -> tuple[np.ndarray, np.ndarray]:
-    """Lloyd's k-means with greedy k-means++ seeding, single-threaded-deterministic.
+    """Lloyd's k-means with greedy k-means++ seeding.
 
     Written out (rather than sklearn's KMeans) because sklearn's threaded Lloyd step
-    adds per-thread partial sums in completion order, which can flip a tie between
-    runs; here the same input and seed give the same codes bit for bit.
+    adds per-thread partial sums in completion order, which can flip a near-tie
+    between runs; here the same input and seed give the same codes.
 
-    Returns (labels (n,) int64, centroids (k, d) float64).
+    Returns (labels (n,) int64, centroids (k, d) float64); the centroids are the
+    means of their final members.
     """
     n = x.shape[0]
+    xx = (x * x).sum(1)
     rng = np.random.default_rng(seed)
     trials = 2 + int(np.log(k))
     centers = np.empty((k, x.shape[1]))
     centers[0] = x[rng.integers(n)]
-    closest = _sq_dists(x, centers[:1])[:, 0]
+    closest = _sq_dists(x, xx, centers[:1])[:, 0]
     for j in range(1, k):
         total = closest.sum()
         if total <= 0:  # fewer distinct points than k: any point will do
@@ -174,20 +185,21 @@ def _kmeans(x: np.ndarray, k: int, *, seed: int, iters: int) -> tuple[np.ndarray
         else:
             cand = np.searchsorted(np.cumsum(closest), rng.random(trials) * total)
             cand = np.minimum(cand, n - 1)
-        cand_d = np.minimum(closest[None, :], _sq_dists(x, x[cand]).T)
-        best = int(np.argmin(cand_d.sum(1)))
+        cand_d = np.minimum(closest[:, None], _sq_dists(x, xx, x[cand]))
+        best = int(np.argmin(cand_d.sum(0)))
         centers[j] = x[cand[best]]
-        closest = cand_d[best]
+        closest = cand_d[:, best]
     labels = np.full(n, -1, dtype=np.int64)
     for _ in range(iters):
-        d = _sq_dists(x, centers)
+        d = _sq_dists(x, xx, centers)
         new = d.argmin(1)
         if np.array_equal(new, labels):
             break
         labels = new
+        # Cluster sums as a (k, n) one-hot sparse product: much faster than np.add.at.
+        onehot = sp.csr_matrix((np.ones(n), (labels, np.arange(n))), shape=(k, n))
         counts = np.bincount(labels, minlength=k)
-        sums = np.zeros_like(centers)
-        np.add.at(sums, labels, x)
+        sums = onehot @ x
         nonempty = counts > 0
         centers[nonempty] = sums[nonempty] / counts[nonempty, None]
         # An empty cluster takes the point worst served by its centroid, so the
@@ -226,10 +238,11 @@ def residual_kmeans(
         return codes
     k = min(codebook_size, n)
     residual = np.asarray(x, dtype=np.float64).copy()
-    for level in range(levels):
-        labels, centers = _kmeans(residual, k, seed=seed + level, iters=iters)
-        codes[:, level] = labels
-        residual -= centers[labels]
+    with threadpool_limits(**_ONE_BLAS_THREAD):
+        for level in range(levels):
+            labels, centers = _kmeans(residual, k, seed=seed + level, iters=iters)
+            codes[:, level] = labels
+            residual -= centers[labels]
     return codes
 
 
