@@ -1,4 +1,7 @@
-"""Tests of gr2model.data: loaders, k-core, split, prepared files."""
+"""Tests of gr2model.data: loaders, k-core, split, prepared files.
+
+Tests on the full shared data use the `shared_data` fixture (tests/conftest.py),
+which skips them when the data set is absent."""
 
 from __future__ import annotations
 
@@ -11,7 +14,6 @@ from pathlib import Path
 import polars as pl
 import pytest
 
-from gr2model import data as data_mod
 from gr2model.data import (
     DataError,
     Dataset,
@@ -25,9 +27,6 @@ from gr2model.data import (
     raw_reviews_files,
     save_prepared,
 )
-
-SHARED = Path(__file__).resolve().parents[1].parent / "shared/datasets/amazon-beauty"
-needs_shared = pytest.mark.skipif(not (SHARED / "Beauty.txt").is_file(), reason="shared Beauty data absent")
 
 
 # ------------------------------------------------------------------ helpers
@@ -138,9 +137,8 @@ def expected_sequences(reviews: list[dict], k: int) -> tuple[list[str], list[lis
 # --------------------------------------------------------------- shared data
 
 
-@needs_shared
-def test_shared_beauty_counts() -> None:
-    ds = load_sequence_dataset(SHARED)
+def test_shared_beauty_counts(shared_data: Path) -> None:
+    ds = load_sequence_dataset(shared_data)
     assert ds.num_users == 22_363
     assert ds.num_interactions == 198_502
     assert ds.items.height == 12_101
@@ -156,13 +154,12 @@ def test_shared_beauty_counts() -> None:
     assert ds.sequences.schema == pl.Schema({"user_id": pl.Int64, "items": pl.List(pl.Int64)})
 
 
-@needs_shared
-def test_shared_beauty_max_users_and_no_side_files() -> None:
-    ds = load_sequence_dataset(SHARED, attributes_file=None, sid_file=None, max_users=50)
+def test_shared_beauty_max_users_and_no_side_files(shared_data: Path) -> None:
+    ds = load_sequence_dataset(shared_data, attributes_file=None, sid_file=None, max_users=50)
     assert ds.num_users == 50
     assert ds.items["sid"].null_count() == ds.items.height
     assert ds.items["attributes"].list.len().max() == 0
-    first = (SHARED / "Beauty.txt").read_text().splitlines()[0].split()
+    first = (shared_data / "Beauty.txt").read_text().splitlines()[0].split()
     assert ds.sequences["items"][0].to_list() == [int(t) for t in first[1:]]
 
 
@@ -491,9 +488,3 @@ def test_download_raw_file_url(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert sorted(p.name for p in dest.iterdir()) == ["meta_Toy.json.gz", "reviews_Toy_5.json.gz"]
     with pytest.raises(DataError, match="category"):
         download_raw("../etc", dest, base_url=src.as_uri())
-
-
-def test_module_imports_no_orchestration() -> None:
-    src = Path(data_mod.__file__).read_text()
-    for banned in ("prefect", "mlflow", "dvc", "yaml"):
-        assert f"import {banned}" not in src and f"from {banned}" not in src

@@ -8,7 +8,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gr2model import semantic_ids as sid_mod
 from gr2model.semantic_ids import (
     add_collision_code,
     build_semantic_ids,
@@ -16,8 +15,6 @@ from gr2model.semantic_ids import (
     prefix_unique_share,
     residual_kmeans,
 )
-
-SHARED = Path(__file__).resolve().parents[1].parent / "shared/datasets/amazon-beauty"
 
 
 def synthetic(num_items: int = 240, users: int = 400, groups: int = 8, seed: int = 0) -> tuple[
@@ -138,17 +135,10 @@ def test_first_code_groups_similar_items() -> None:
     assert purity > 0.8
 
 
-def test_module_imports_no_orchestration() -> None:
-    src = Path(sid_mod.__file__).read_text()
-    for banned in ("prefect", "mlflow", "dvc", "yaml"):
-        assert f"import {banned}" not in src and f"from {banned}" not in src
-
-
-@pytest.mark.skipif(not (SHARED / "Beauty.txt").is_file(), reason="shared Beauty data absent")
-def test_shared_beauty_semantic_ids() -> None:
+def test_shared_beauty_semantic_ids(shared_data: Path) -> None:
     from gr2model.data import leave_one_out, load_sequence_dataset
 
-    ds = load_sequence_dataset(SHARED, sid_file=None)
+    ds = load_sequence_dataset(shared_data, sid_file=None)
     train = leave_one_out(ds.sequences)["train"].to_list()
     attrs = ds.attribute_map()
     ids = ds.items["item_id"].to_numpy()
