@@ -91,7 +91,7 @@ def load(cfg: PrepareConfig, root: Path, log: logging.Logger) -> tuple[Dataset, 
 
 def add_semantic_ids(ds: Dataset, split: pl.DataFrame, cfg: SidBuilderConfig) -> tuple[Dataset, dict[str, float]]:
     """Build semantic ids from the training interactions only and put them on `ds.items`."""
-    attrs = dict(zip(ds.items["item_id"].to_list(), ds.items["attributes"].to_list(), strict=True))
+    attrs = ds.attribute_map()
     item_ids = ds.items["item_id"].to_numpy()
     codes, stats = build_semantic_ids(
         split["train"].to_list(),
