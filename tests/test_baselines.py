@@ -71,6 +71,9 @@ def test_transition_window_and_empty_rows():
     wide = TransitionScorer(seqs, 5, window=2)
     assert direct.counts[1, 3] == 0 and wide.counts[1, 3] == 2
     assert wide.counts[1, 2] == 2 and wide.counts[4, 3] == 1
+    # window_decay discounts the skip-transitions: distance 2 counts 0.5.
+    discounted = TransitionScorer(seqs, 5, window=2, window_decay=0.5)
+    assert discounted.counts[1, 3] == pytest.approx(1.0) and discounted.counts[1, 2] == 2
     # Item 5 has no successors and an empty history has no items: both fall back
     # to the popularity prior, which puts the most frequent item (3) first.
     for h in ([5], []):
