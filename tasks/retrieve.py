@@ -64,9 +64,13 @@ class TrainParams(StageConfig):
 
 
 class TransitionParams(StageConfig):
-    last_n: int = 3
-    decay: float = 0.5
-    window: int = 1
+    """First-order transitions; defaults tuned on validation NDCG@10 (gr2model.baselines.TransitionScorer)."""
+
+    last_n: int = 10
+    decay: float = 0.6
+    window: int = 10
+    window_decay: float = 0.8
+    smoothing: float = 75.0
 
 
 class RetrieveConfig(StageConfig):
