@@ -22,7 +22,7 @@ from prefect.runtime import flow_run
 
 from flows import dvc_stages
 from flows.registry import MODEL_STAGES, register_checkpoint
-from tasks.tracking import configure, experiment_id, flatten, git_lineage
+from tasks.tracking import configure, experiment_id, flatten, git_lineage, metric_key
 
 
 def _read_metrics(root: Path, stage: str) -> dict[str, Any]:
@@ -97,7 +97,7 @@ def register_model(stage: str, root: str, summary: dict[str, Any]) -> dict[str, 
     # The evaluation numbers travel with the version so promotion can read them.
     for key, value in flatten(summary["metrics"]).items():
         if isinstance(value, (int, float)) and key.split(".")[0] in {"full_ranking", "rerank"}:
-            tags[f"metric.{key}"] = str(value)
+            tags[metric_key(f"metric.{key}")] = str(value)
     version, created = register_checkpoint(spec, rootp, md5, run_id, tags)
     logger.info("%s version %s (%s)", spec.model_name, version, "new" if created else "already registered")
     return {"model": spec.model_name, "version": version, "created": created}

@@ -85,6 +85,11 @@ def flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def metric_key(name: str) -> str:
+    """MLflow-safe key: `recall@10` -> `recall_at_10` (MLflow rejects '@' in names)."""
+    return name.replace("@", "_at_")
+
+
 class StageTracker:
     """What a stage logs through: params, per-step metrics, final metrics, tags.
 
@@ -110,7 +115,7 @@ class StageTracker:
         if self.enabled:
             import mlflow
 
-            flat = {k.replace("@", "_at_"): float(v) for k, v in flatten(metrics).items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+            flat = {metric_key(k): float(v) for k, v in flatten(metrics).items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
             if flat:
                 mlflow.log_metrics(flat, step=step)
 
