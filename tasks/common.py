@@ -82,18 +82,22 @@ def load_stage_config(stage: str, model: type[C], path: Path = Path(PARAMS_FILE)
         raise ParamsError("\n".join(lines)) from exc
 
 
-def write_json_atomic(obj: Any, path: Path) -> None:
-    """Write JSON to a temporary sibling and rename, so readers never see half a file."""
+def write_text_atomic(text: str, path: Path) -> None:
+    """Write text to a temporary sibling and rename, so readers never see half a file."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
         with os.fdopen(fd, "w") as fh:
-            json.dump(obj, fh, indent=2, sort_keys=False)
-            fh.write("\n")
+            fh.write(text)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def write_json_atomic(obj: Any, path: Path) -> None:
+    """`obj` as indented JSON, written atomically (serialised first, so a bad object writes nothing)."""
+    write_text_atomic(json.dumps(obj, indent=2) + "\n", path)
 
 
 @contextmanager

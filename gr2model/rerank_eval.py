@@ -1,0 +1,102 @@
+"""Re-rank candidate lists with a language model or a fixed rule, judged by the one shared parser.
+
+Every re-ranker, learned or baseline, ends as a list of ParsedResponse so that
+`rerank_format.rerank_metrics` computes every table with the same code.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import polars as pl
+from tqdm.auto import tqdm
+
+from gr2model.ar_decode import DecodeOutput, ar_generate
+from gr2model.rerank_format import FormatConfig, ItemText, ParsedResponse, build_prompt, parse_response
+from gr2model.tokenizer import special_ids
+
+log = logging.getLogger(__name__)
+
+Decoder = Callable[..., DecodeOutput]
+
+
+def rerank_examples(lists: pl.DataFrame) -> pl.DataFrame:
+    """The re-ranking examples of a candidate-list table: the target is among the K candidates."""
+    return lists.filter(pl.col("target_rank") >= 0)
+
+
+def prompts_of(lists: pl.DataFrame, items: ItemText, fmt: FormatConfig) -> list[str]:
+    """The prompt text of every row (history and candidates in the incoming order)."""
+    return [build_prompt(h, c, items, fmt) for h, c in zip(lists["history"].to_list(), lists["candidates"].to_list(), strict=True)]
+
+
+def fixed_rankings(rankings: Sequence[Sequence[int]], incoming: Sequence[Sequence[int]]) -> list[ParsedResponse]:
+    """ParsedResponse for rule-based re-rankers (pre-rank order, teacher, random): always valid."""
+    return [
+        ParsedResponse(
+            valid_format=True,
+            valid_permutation=True,
+            ranking=list(r),
+            explanation="",
+            error="",
+            copies_incoming=list(r) == list(inc),
+        )
+        for r, inc in zip(rankings, incoming, strict=True)
+    ]
+
+
+def random_rankings(incoming: Sequence[Sequence[int]], seed: int) -> list[list[int]]:
+    """A seeded random permutation of each candidate list (the chance baseline)."""
+    rng = np.random.default_rng(seed)
+    return [list(np.asarray(c)[rng.permutation(len(c))]) for c in incoming]
+
+
+@dataclass
+class LMRerankResult:
+    parsed: list[ParsedResponse]
+    texts: list[str]
+    generated_tokens: int
+    nfe: int
+    seconds: float
+
+
+def lm_rerank(
+    model,
+    tok,
+    lists: pl.DataFrame,
+    items: ItemText,
+    fmt: FormatConfig,
+    *,
+    batch_size: int = 32,
+    max_new_tokens: int = 320,
+    decoder: Decoder = ar_generate,
+    desc: str = "re-rank",
+    **decode_kwargs,
+) -> LMRerankResult:
+    """Decode a response for every row (greedy unless decode_kwargs say otherwise) and parse it.
+
+    Rows are decoded in batches sorted by prompt length (less padding); results
+    come back in the input order. An invalid answer falls back to the incoming
+    order inside `parse_response` and is counted by the metrics.
+    """
+    ids = special_ids(tok)
+    prompts = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts_of(lists, items, fmt)]
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    texts: list[str] = [""] * len(prompts)
+    gen = nfe = 0
+    seconds = 0.0
+    for start in tqdm(range(0, len(order), batch_size), desc=desc, leave=False):
+        idx = order[start : start + batch_size]
+        out = decoder(model, [prompts[i] for i in idx], pad_id=ids["pad"], eos_id=ids["eos"], max_new_tokens=max_new_tokens, **decode_kwargs)
+        for i, seq in zip(idx, out.sequences, strict=True):
+            texts[i] = tok.decode(seq, skip_special_tokens=False)
+        gen += out.generated_tokens
+        nfe += out.nfe
+        seconds += out.seconds
+    candidates = lists["candidates"].to_list()
+    parsed = [parse_response(t, c, items) for t, c in zip(texts, candidates, strict=True)]
+    log.info("%s: %d rows, %d tokens in %.1f s (%.0f tok/s)", desc, len(parsed), gen, seconds, gen / max(seconds, 1e-9))
+    return LMRerankResult(parsed, texts, gen, nfe, seconds)

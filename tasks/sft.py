@@ -1,0 +1,138 @@
+"""Stage `sft`: train the AR re-ranker (a Qwen3-style causal LM) on the teacher's traces.
+
+Builds the word-level tokenizer (semantic-id, attribute, special and trace
+tokens) or extends a local pretrained one, builds the model from the small
+config in params (or loads `model.pretrained_path`), trains with a loss on the
+response only, reasoning and ranking tokens weighted separately, and saves a
+`save_pretrained` checkpoint (model, tokenizer, stage config, marker last).
+
+    python -m tasks.sft
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import polars as pl
+import torch
+
+from gr2model.ar_model import ARModelConfig, build_ar_model, count_parameters
+from gr2model.checkpoint import save_hf_checkpoint
+from gr2model.data import load_prepared
+from gr2model.sft import SFTConfig, train_sft
+from gr2model.teacher import TRACE_WORDS
+from gr2model.tokenizer import build_tokenizer, extend_pretrained_tokenizer, special_ids
+from tasks.common import StageConfig, atomic_dir, load_stage_config, stage_main, timed, write_json_atomic
+from tasks.tracking import StageTracker, stage_run
+
+STAGE = "sft"
+PREPARED = Path("data/prepared")
+TRACES = Path("data/traces")
+CHECKPOINT = Path("checkpoints/gr2-sft")
+METRICS = Path("metrics/sft.json")
+
+
+class ModelParams(StageConfig):
+    hidden_size: int = 128
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    intermediate_size: int = 384
+    max_position_embeddings: int = 1024
+    pretrained_path: str | None = None
+
+
+class TrainParams(StageConfig):
+    epochs: int = 2
+    batch_size: int = 16
+    lr: float = 2e-3
+    weight_decay: float = 0.0
+    warmup_steps: int = 20
+    reasoning_weight: float = 1.0
+    answer_weight: float = 2.0
+    max_length: int = 1024
+    grad_clip: float = 1.0
+
+
+class SftStageConfig(StageConfig):
+    seed: int = 0
+    model: ModelParams = ModelParams()
+    train: TrainParams = TrainParams()
+    valid_fraction: float = 0.05  # traces held out for a validation loss
+    max_examples: int = 0  # 0 = every kept trace
+
+
+CONFIG = SftStageConfig
+
+
+def build_tokenizer_for(ds_items: pl.DataFrame, pretrained_path: str | None):
+    """Our word-level tokenizer, or the local pretrained one extended with the format's tokens."""
+    if pretrained_path:
+        return extend_pretrained_tokenizer(pretrained_path, ds_items, TRACE_WORDS)
+    return build_tokenizer(ds_items, TRACE_WORDS)
+
+
+def run(cfg: SftStageConfig, root: Path, log: logging.Logger, tracker: StageTracker) -> dict[str, Any]:
+    """Train on the kept traces and save `checkpoints/gr2-sft`; returns the stage metrics."""
+    timings: dict[str, float] = {}
+    start = time.perf_counter()
+    torch.manual_seed(cfg.seed)
+    ds, _ = load_prepared(root / PREPARED)
+    traces = pl.read_parquet(root / TRACES / "train.parquet").filter(pl.col("kept"))
+    pairs = list(zip(traces["prompt"].to_list(), traces["response"].to_list(), strict=True))
+    if cfg.max_examples:
+        pairs = pairs[: cfg.max_examples]
+    if not pairs:
+        raise RuntimeError(f"{root / TRACES / 'train.parquet'}: no kept traces to train on")
+    rng = random.Random(cfg.seed)
+    rng.shuffle(pairs)
+    n_valid = max(1, int(len(pairs) * cfg.valid_fraction)) if cfg.valid_fraction > 0 else 0
+    valid, train = pairs[:n_valid], pairs[n_valid:]
+
+    tok = build_tokenizer_for(ds.items, cfg.model.pretrained_path)
+    ids = special_ids(tok)
+    mcfg = ARModelConfig(**cfg.model.model_dump())
+    model = build_ar_model(mcfg, len(tok), pad_id=ids["pad"], bos_id=ids["bos"], eos_id=ids["eos"], seed=cfg.seed)
+    n_params = count_parameters(model)
+    log.info("model: %d parameters, vocabulary %d; %d training / %d validation traces", n_params, len(tok), len(train), len(valid))
+
+    scfg = SFTConfig(**cfg.train.model_dump(), seed=cfg.seed)
+    step_metrics = lambda m: tracker.log_metrics({k: v for k, v in m.items() if k != "step"}, step=int(m.get("step", 0)))  # noqa: E731
+    with timed(log, f"SFT for {scfg.epochs} epochs", timings, "train_s"):
+        result = train_sft(model, tok, train, scfg, valid=valid or None, on_step=step_metrics)
+    with atomic_dir(root / CHECKPOINT) as out:
+        save_hf_checkpoint(out, result.model, tok, {"stage": STAGE, **cfg.model_dump(), "sft": asdict(scfg)})
+    last = result.history[-1] if result.history else {}
+    valid_losses = [h for h in result.history if any(k.startswith("valid") for k in h)]
+    return {
+        "parameters": n_params,
+        "vocab_size": len(tok),
+        "train_traces": len(train),
+        "valid_traces": len(valid),
+        "steps": result.steps,
+        "final_train_loss": last.get("loss"),
+        "valid": {k: v for k, v in (valid_losses[-1] if valid_losses else {}).items() if k.startswith("valid")},
+        **timings,
+        "seconds": round(time.perf_counter() - start, 2),
+    }
+
+
+def main() -> None:
+    def body(log: logging.Logger) -> None:
+        cfg = load_stage_config(STAGE, CONFIG)
+        root = Path.cwd()
+        with stage_run(STAGE, cfg.model_dump()) as tracker:
+            metrics = run(cfg, root, log, tracker)
+            write_json_atomic(metrics, root / METRICS)
+            tracker.log_metrics(metrics)
+
+    stage_main(STAGE, body)
+
+
+if __name__ == "__main__":
+    main()
