@@ -44,7 +44,7 @@ from accelerate import Accelerator
 from accelerate.utils import set_seed
 from safetensors.torch import load_file, save_file
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, Sampler, TensorDataset
 from tqdm.auto import tqdm
 
 from gr2model.metrics import ranking_metrics, target_rank_full
@@ -199,6 +199,88 @@ class SASRec(nn.Module):
         return hidden @ self.item_emb.weight.T
 
 
+def _default_head_dtype(device: torch.device) -> torch.dtype:
+    """bf16 for the output-layer matmuls on CPUs with native bf16 (3-4x faster GEMMs), else fp32.
+
+    The softmax itself is always computed in fp32.
+    """
+    if device.type == "cpu" and torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return torch.bfloat16
+    return torch.float32
+
+
+class _ChunkedSoftmaxCE(torch.autograd.Function):
+    """Full-softmax cross-entropy with tied weights, computed chunk by chunk of rows.
+
+    The (N, V) logits matrix never exists at once: each chunk's logits, softmax
+    and gradients are computed together while they are in cache, and the
+    gradients w.r.t. hidden and weight are accumulated in the forward pass
+    (backward only scales them). On a 2-core CPU this is ~3x faster than
+    `F.cross_entropy(h @ W.T, y)` with its N x V intermediates; the FLOPs are the same.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, chunk: int, dtype: torch.dtype):  # type: ignore[override]
+        n = hidden.shape[0]
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        acc = torch.promote_types(dtype, torch.float32)  # softmax and accumulators: at least fp32
+        h_c, w_c = hidden.to(dtype), weight.to(dtype)
+        grad_h = torch.empty_like(hidden, dtype=acc) if need_h else None
+        grad_w = torch.zeros_like(weight, dtype=acc) if need_w else None
+        total = torch.zeros((), dtype=acc, device=hidden.device)
+        for start in range(0, n, chunk):
+            hc, yc = h_c[start:start + chunk], targets[start:start + chunk]
+            logits = hc @ w_c.T  # (c, V)
+            logits[:, 0] = float("-inf")  # padding is never a next item
+            # torch.softmax is one fused pass; logsumexp + exp would read the chunk twice more.
+            probs = torch.softmax(logits.to(acc), dim=1)
+            rows = torch.arange(len(yc), device=probs.device)
+            # The loss is only reported; the gradient below is exact whatever the clamp.
+            total -= probs[rows, yc].clamp_min(1e-30).log().sum()
+            if need_h or need_w:
+                probs[rows, yc] -= 1.0  # d CE / d logits = softmax - onehot
+                g = probs.to(dtype)
+                if need_h:
+                    grad_h[start:start + chunk] = g @ w_c
+                if need_w:
+                    grad_w += g.T @ hc
+        ctx.save_for_backward(grad_h, grad_w)
+        ctx.n = max(n, 1)
+        ctx.dtypes = (hidden.dtype, weight.dtype)
+        return total / ctx.n
+
+    @staticmethod
+    def backward(ctx, grad_out):  # type: ignore[override]
+        grad_h, grad_w = ctx.saved_tensors
+        scale = grad_out / ctx.n
+        gh = (grad_h * scale).to(ctx.dtypes[0]) if grad_h is not None else None
+        gw = (grad_w * scale).to(ctx.dtypes[1]) if grad_w is not None else None
+        return gh, gw, None, None, None
+
+
+def softmax_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    chunk: int = 128,
+    dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """Mean cross-entropy of `targets` under softmax(hidden @ weight.T), column 0 excluded.
+
+    Args:
+        hidden: (N, H) hidden states.
+        weight: (V, H) tied item embedding, row 0 = padding.
+        targets: (N,) item ids in 1..V-1.
+        chunk: rows per chunk (bounds memory at chunk x V).
+        dtype: matmul dtype; None = bf16 on CPUs that support it natively, else fp32.
+    Returns:
+        () the mean loss (fp32, or fp64 when dtype is fp64).
+    """
+    dtype = dtype or _default_head_dtype(hidden.device)
+    return _ChunkedSoftmaxCE.apply(hidden, weight, targets, chunk, dtype)
+
+
 def next_item_loss(
     model: SASRec,
     input_ids: torch.Tensor,
@@ -224,12 +306,10 @@ def next_item_loss(
     sel = targets != 0
     h = hidden[sel]  # (N, H)
     y = targets[sel]  # (N,)
+    emb = model.item_emb.weight
     if num_negatives <= 0:
-        logits = model.item_logits(h)  # (N, V)
-        logits[:, 0] = float("-inf")  # padding is never a next item
-        loss = F.cross_entropy(logits, y)
+        loss = softmax_cross_entropy(h, emb, y)
     else:
-        emb = model.item_emb.weight
         neg = torch.randint(1, model.num_items + 1, (num_negatives,), device=h.device)
         pos_logit = (h * emb[y]).sum(-1, keepdim=True)  # (N, 1)
         neg_logits = h @ emb[neg].T  # (N, k)
@@ -280,6 +360,38 @@ def training_windows(sequences: Sequence[Sequence[int]], max_len: int) -> tuple[
     inputs = left_pad([w[:-1] for w in windows], max_len)
     targets = left_pad([w[1:] for w in windows], max_len)
     return inputs, targets
+
+
+class LengthBucketBatchSampler(Sampler[list[int]]):
+    """Shuffled batches of similar length, so that a batch is padded only to its own longest row.
+
+    Beauty sequences are short (median 6) with a long tail, so a random batch of
+    128 almost always contains a row of length 50 and is mostly padding. Here each
+    epoch shuffles all rows, cuts them into pools of `pool_batches` batches, sorts
+    each pool by length, cuts it into batches and shuffles the batches: batches
+    stay random in content and order, but are 3-4x cheaper. Deterministic given
+    the seed, and identical on every process (each draws the same sequence), which
+    accelerate's batch sharding relies on.
+    """
+
+    def __init__(self, lengths: np.ndarray, batch_size: int, seed: int, pool_batches: int = 50) -> None:
+        self.lengths = np.asarray(lengths)
+        self.batch_size = batch_size
+        self.pool = batch_size * pool_batches
+        self.rng = np.random.default_rng(seed)
+
+    def __len__(self) -> int:
+        return (len(self.lengths) + self.batch_size - 1) // self.batch_size
+
+    def __iter__(self):
+        perm = self.rng.permutation(len(self.lengths))
+        batches: list[list[int]] = []
+        for start in range(0, len(perm), self.pool):
+            pool = perm[start:start + self.pool]
+            pool = pool[np.argsort(self.lengths[pool], kind="stable")]
+            batches.extend(pool[i:i + self.batch_size].tolist() for i in range(0, len(pool), self.batch_size))
+        for i in self.rng.permutation(len(batches)):
+            yield batches[i]
 
 
 # --------------------------------------------------------------------------- scoring
@@ -399,15 +511,16 @@ def train_sasrec(
     inputs, targets = training_windows(train_sequences, cfg.max_len)
     if len(inputs) == 0:
         raise ValueError("no training sequence has 2 or more items")
-    # The seeded generator fixes the shuffle order; accelerate keeps it in step across processes.
+    # Length-bucketed, seeded shuffling: see LengthBucketBatchSampler.
     loader = DataLoader(
         TensorDataset(torch.from_numpy(inputs), torch.from_numpy(targets)),
-        batch_size=tcfg.batch_size,
-        shuffle=True,
-        generator=torch.Generator().manual_seed(tcfg.seed),
+        batch_sampler=LengthBucketBatchSampler((inputs != 0).sum(axis=1), tcfg.batch_size, tcfg.seed),
     )
     model = SASRec(cfg)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=tcfg.lr, weight_decay=tcfg.weight_decay)
+    # The fused AdamW kernel is ~5x faster than the per-parameter loop on a CPU,
+    # where the optimizer step is a visible share of a small model's step.
+    fused = accelerator.device.type in ("cpu", "cuda")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=tcfg.lr, weight_decay=tcfg.weight_decay, fused=fused)
     wrapped, optimizer, loader = accelerator.prepare(_LossModule(model, tcfg.num_negatives), optimizer, loader)
     inner: SASRec = accelerator.unwrap_model(wrapped).model
 

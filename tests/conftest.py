@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = ROOT.parent / "shared" / "datasets" / "amazon-beauty"
@@ -19,6 +20,12 @@ for key, value in {
     "GR2_TRACKING": "off",
 }.items():
     os.environ.setdefault(key, value)
+
+
+# Tiny test models are dominated by per-op overhead: one thread is faster and
+# does not oversubscribe a 2-core CI machine (measured: 2 threads ran the AR
+# decode tests 8x slower under load).
+torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")
