@@ -1,0 +1,510 @@
+"""DAPO reinforcement learning of a causal LM (Yu et al. 2025, "DAPO: an open-source LLM
+reinforcement learning system at scale"), used by the `ar_rl` stage.
+
+DAPO is GRPO (group-relative advantages, no value model) with four changes, of
+which this module implements the three that belong to the optimiser:
+
+- clip-higher: the PPO ratio is clipped to [1 - clip_low, 1 + clip_high] with
+  clip_high > clip_low, so unlikely tokens with a positive advantage can still
+  grow (a symmetric clip starves exploration and collapses entropy);
+- dynamic sampling: groups whose G rewards are all equal have zero advantage
+  and so no gradient; they are dropped and more prompts are drawn (up to
+  `max_resample_rounds` more rounds) to fill the batch with informative groups;
+- token-level loss: the loss is averaged over all valid tokens of the batch,
+  not per sequence first, so a long response weighs in proportion to its length.
+
+The fourth, overlong reward shaping, is a property of the reward: `reward_fn`
+sees each completion's ids (an unfinished one has no eos) and can punish it.
+There is no KL penalty and no reference model: DAPO drops both (the policy is
+meant to move away from the SFT model, and the verifiable reward keeps it honest).
+
+Everything runs through `accelerate.Accelerator`: each process samples its share
+of the prompts, the per-step decisions (how many groups were kept, the number of
+minibatches, token counts for the loss normaliser) are agreed through
+all-reduces, so several processes take the same step as one process would.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import gather_object
+from tqdm.auto import tqdm
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from gr2model.ar_decode import ar_generate
+
+__all__ = [
+    "DAPOConfig",
+    "DAPOResult",
+    "RewardFn",
+    "group_advantages",
+    "dapo_loss",
+    "sequence_logprobs",
+    "train_dapo",
+]
+
+RewardFn = Callable[[int, list[int]], tuple[float, dict[str, float]]]
+"""(index of the prompt in `prompts`, completion token ids, eos included when
+emitted) -> (reward, info); info values are averaged and logged per step
+(e.g. {"valid": 1.0, "copy": 0.0})."""
+
+
+@dataclass(frozen=True)
+class DAPOConfig:
+    """Knobs of DAPO.
+
+    group_size: G completions sampled per prompt.
+    prompts_per_step: groups per step (global, over all processes).
+    steps: policy-update steps (each with its own rollouts).
+    inner_epochs: gradient passes over each step's rollouts.
+    minibatch_size: completions per optimizer step (global); the kept rollouts
+        of a step are split into ceil(n / minibatch_size) minibatches.
+    lr: AdamW learning rate (constant).
+    clip_low, clip_high: the ratio is clipped to [1 - clip_low, 1 + clip_high].
+    temperature: sampling temperature of the rollouts.
+    max_new_tokens: completion length limit.
+    max_resample_rounds: extra sampling rounds per step while fewer than
+        prompts_per_step groups survived dynamic sampling.
+    seed: prompt order and sampling; runs are reproducible given it on a CPU.
+    grad_clip: max global gradient norm (<= 0 disables; the DAPO paper clips at 1).
+    weight_decay: AdamW weight decay.
+    """
+
+    group_size: int = 8
+    prompts_per_step: int = 8
+    steps: int = 50
+    inner_epochs: int = 1
+    minibatch_size: int = 16
+    lr: float = 5e-5
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    temperature: float = 1.0
+    max_new_tokens: int = 256
+    max_resample_rounds: int = 3
+    seed: int = 0
+    grad_clip: float = 1.0
+    weight_decay: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.group_size < 2:
+            raise ValueError(f"group_size must be >= 2 (advantages compare within a group), got {self.group_size}")
+        for name in ("prompts_per_step", "steps", "inner_epochs", "minibatch_size", "max_new_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not (0.0 <= self.clip_low < 1.0) or self.clip_high < 0.0:
+            raise ValueError(f"need 0 <= clip_low < 1 and clip_high >= 0, got {self.clip_low}, {self.clip_high}")
+        if self.temperature <= 0.0:
+            raise ValueError(f"temperature must be > 0 (RL samples), got {self.temperature}")
+        if self.max_resample_rounds < 0:
+            raise ValueError(f"max_resample_rounds must be >= 0, got {self.max_resample_rounds}")
+
+
+@dataclass
+class DAPOResult:
+    """model: the trained policy (unwrapped, eval mode).
+    history: the per-step metric dicts passed to on_step."""
+
+    model: PreTrainedModel
+    history: list[dict[str, float]] = field(default_factory=list)
+
+
+# ------------------------------------------------------------------ pure parts
+
+
+def group_advantages(rewards: torch.Tensor, eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+    """Group-relative advantages (GRPO/DAPO) and the dynamic-sampling filter.
+
+    Args:
+        rewards: (P, G) rewards of G completions for each of P prompts.
+        eps: added to the group std so a near-constant group does not explode.
+    Returns:
+        advantages: (P, G) float32, (r - mean) / (std + eps) within each group
+            (std with Bessel's correction, as TRL and verl compute it); exactly 0
+            in dropped groups.
+        keep: (P,) bool, False where all G rewards of the group are equal: such a
+            group has no learning signal and dynamic sampling drops it.
+    """
+    if rewards.dim() != 2:
+        raise ValueError(f"rewards must be (P, G), got shape {tuple(rewards.shape)}")
+    r = rewards.float()
+    keep = (r != r[:, :1]).any(dim=1)
+    mean = r.mean(dim=1, keepdim=True)
+    std = r.std(dim=1, keepdim=True) if r.shape[1] > 1 else torch.zeros_like(mean)
+    adv = (r - mean) / (std + eps)
+    # A constant group's mean may differ from its values by a rounding error;
+    # an exact 0 keeps dropped groups from leaking a tiny signal.
+    return torch.where(keep[:, None], adv, torch.zeros_like(adv)), keep
+
+
+def dapo_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_low: float,
+    clip_high: float,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """DAPO's clipped surrogate, averaged over tokens (not sequences). No KL term.
+
+    With ratio = exp(logp - old_logp) per token and A the sequence's advantage:
+
+        loss = sum over valid tokens of -min(ratio * A, clip(ratio, 1 - clip_low, 1 + clip_high) * A)
+               / number of valid tokens in the batch
+
+    Args:
+        logp: (N, T) log-probs of the sampled tokens under the current policy (with grad).
+        old_logp: (N, T) the same under the policy that sampled them (no grad needed).
+        advantages: (N,) one advantage per sequence, shared by its tokens.
+        mask: (N, T) 1 on completion tokens, 0 on padding.
+        clip_low, clip_high: the decoupled clip range.
+    Returns:
+        the scalar loss, and stats over valid tokens: clip_fraction (share of
+        tokens whose clipped term is active, i.e. that get no gradient),
+        ratio_mean, approx_kl (mean of ratio - 1 - log ratio, the k3 estimate
+        of KL(old || new), for monitoring only), tokens.
+    """
+    m = mask.to(logp.dtype)
+    # Padding may hold anything; a zero log-ratio there keeps exp() finite, so
+    # 0 * inf cannot turn the sum into nan.
+    log_ratio = torch.where(mask.bool(), logp - old_logp.detach(), torch.zeros_like(logp))
+    ratio = torch.exp(log_ratio)
+    adv = advantages.detach().to(logp.dtype)[:, None]
+    unclipped = ratio * adv
+    clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high) * adv
+    per_token = -torch.minimum(unclipped, clipped)
+    n_tokens = m.sum()
+    loss = (per_token * m).sum() / n_tokens.clamp(min=1.0)
+    with torch.no_grad():
+        denom = max(float(n_tokens), 1.0)
+        is_clipped = ((ratio > 1.0 + clip_high) & (adv > 0)) | ((ratio < 1.0 - clip_low) & (adv < 0))
+        stats = {
+            "clip_fraction": float((is_clipped.to(m.dtype) * m).sum()) / denom,
+            "ratio_mean": float((ratio * m).sum()) / denom,
+            "approx_kl": float(((ratio - 1.0 - log_ratio) * m).sum()) / denom,
+            "tokens": float(n_tokens),
+        }
+    return loss, stats
+
+
+def _model_device(model: torch.nn.Module) -> torch.device:
+    # A DDP wrapper has no `.device`; its parameters do.
+    return next(model.parameters()).device
+
+
+def sequence_logprobs(
+    model: torch.nn.Module, prompt_ids: list[list[int]], completion_ids: list[list[int]], pad_id: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs of completion tokens under `model`, in one forward pass.
+
+    Rows are laid out as [left pads][prompt][completion][right pads], with
+    position ids restarting at 0 on each row's first real token: the same
+    inputs `ar_generate` sees, so the values match its `return_logprobs`.
+    Only the logits of the completion positions are computed (`logits_to_keep`).
+    Gradients flow (wrap in `torch.no_grad()` for old log-probs).
+
+    Args:
+        model: causal LM, forward(input_ids, attention_mask, position_ids,
+            logits_to_keep) -> logits.
+        prompt_ids: N prompts (each >= 1 token).
+        completion_ids: N completions (any lengths, may be empty).
+        pad_id: padding id.
+    Returns:
+        logp: (N, T) float32, T = longest completion; log p(token | prefix) from
+            log_softmax of the raw logits (temperature 1), 0 on padding.
+        mask: (N, T) float32, 1 on completion tokens.
+    """
+    if len(prompt_ids) != len(completion_ids):
+        raise ValueError(f"{len(prompt_ids)} prompts but {len(completion_ids)} completions")
+    device = _model_device(model)
+    n = len(prompt_ids)
+    p_len = max(len(p) for p in prompt_ids)
+    t_len = max((len(c) for c in completion_ids), default=0)
+    if min(len(p) for p in prompt_ids) == 0:
+        raise ValueError("empty prompt")
+    if t_len == 0:
+        empty = torch.zeros((n, 0), device=device)
+        return empty, empty.clone()
+    ids = torch.full((n, p_len + t_len), pad_id, dtype=torch.long)
+    attn = torch.zeros((n, p_len + t_len), dtype=torch.long)
+    for row, (p, c) in enumerate(zip(prompt_ids, completion_ids)):
+        ids[row, p_len - len(p) : p_len] = torch.as_tensor(p, dtype=torch.long)
+        attn[row, p_len - len(p) : p_len] = 1
+        if c:
+            ids[row, p_len : p_len + len(c)] = torch.as_tensor(c, dtype=torch.long)
+            attn[row, p_len : p_len + len(c)] = 1
+    ids, attn = ids.to(device), attn.to(device)
+    positions = (attn.cumsum(-1) - 1).clamp(min=0)
+    # The last t_len + 1 positions: p_len - 1 (predicts the first completion
+    # token) through the end; the very last predicts nothing and is dropped.
+    out = model(input_ids=ids, attention_mask=attn, position_ids=positions, use_cache=False, logits_to_keep=t_len + 1)
+    logits = out.logits[:, :-1].float()
+    targets = ids[:, p_len:]
+    logp = logits.gather(-1, targets[..., None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    mask = attn[:, p_len:].float()
+    return logp * mask, mask
+
+
+# ------------------------------------------------------------------------ train
+
+
+class _PromptStream:
+    """Prompt indices in a seeded random order, reshuffled after every pass."""
+
+    def __init__(self, n: int, seed: int) -> None:
+        self.n, self.seed, self.epoch, self.order, self.pos = n, seed, 0, [], 0
+        self._shuffle()
+
+    def _shuffle(self) -> None:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+        self.order = torch.randperm(self.n, generator=g).tolist()
+        self.pos = 0
+        self.epoch += 1
+
+    def take(self, k: int) -> list[int]:
+        out: list[int] = []
+        while len(out) < k:
+            if self.pos == self.n:
+                self._shuffle()
+            out.append(self.order[self.pos])
+            self.pos += 1
+        return out
+
+
+@dataclass
+class _Rollout:
+    prompt_index: int
+    completion: list[int]
+    reward: float
+    advantage: float
+
+
+def _zero_grad_forward(model: torch.nn.Module, pad_id: int) -> torch.Tensor:
+    """A loss of exactly 0 that still touches every parameter.
+
+    A process with no rollout in a minibatch must still join DDP's gradient
+    all-reduce, or the others wait for it forever.
+    """
+    ids = torch.full((1, 1), pad_id, dtype=torch.long, device=_model_device(model))
+    return model(input_ids=ids, use_cache=False).logits.sum() * 0.0
+
+
+def train_dapo(
+    model: PreTrainedModel,
+    tok: PreTrainedTokenizerBase,
+    prompts: Sequence[list[int]],
+    reward_fn: RewardFn,
+    cfg: DAPOConfig,
+    *,
+    on_step: Callable[[dict[str, float]], None] | None = None,
+    accelerator: Accelerator | None = None,
+) -> DAPOResult:
+    """Train a policy with DAPO against `reward_fn` (no KL penalty, no reference model).
+
+    Each step:
+    1. rollouts: draw prompts (seeded order), sample G completions each with
+       `ar_generate` (cfg.temperature, a seeded generator, the tokenizer's pad
+       and eos), score them with reward_fn, compute `group_advantages`; drop
+       all-equal groups and draw the shortfall of prompts again, up to
+       cfg.max_resample_rounds extra rounds;
+    2. old log-probs: `sequence_logprobs` of the kept completions under the
+       current weights, before any update (no grad);
+    3. update: cfg.inner_epochs passes over shuffled minibatches with
+       `dapo_loss`, one optimizer step per minibatch.
+    A step where no group survives takes no update.
+
+    The model stays in eval mode throughout: dropout would make the ratio
+    compare two different functions (gradients flow in eval mode all the same).
+
+    Args:
+        model: the policy (e.g. the SFT model), a causal LM.
+        tok: its tokenizer; pad_token_id and eos_token_id are used.
+        prompts: token id lists (each >= 1 token).
+        reward_fn: see RewardFn.
+        cfg: see DAPOConfig.
+        on_step: called on the main process with each step's metrics: step,
+            reward_mean, reward_std (over all sampled completions, dropped groups
+            included: the policy's current reward), sampled_groups, kept_groups,
+            resample_rounds, response_length, truncated_rate (no eos within
+            max_new_tokens), loss, clip_fraction, ratio_mean, approx_kl, grad_norm,
+            lr, rollout_s, update_s, and every reward_fn info key averaged over
+            the sampled completions (under its own name, or `info_<name>` if that
+            name is taken).
+        accelerator: the Accelerator to run under (a default one when None).
+    Returns:
+        DAPOResult (model unwrapped, eval mode).
+    """
+    accelerator = accelerator or Accelerator()
+    pad_id, eos_id = tok.pad_token_id, tok.eos_token_id
+    if pad_id is None or eos_id is None:
+        raise ValueError("tokenizer needs pad and eos tokens")
+    if len(prompts) == 0:
+        raise ValueError("no prompts")
+    world, rank = accelerator.num_processes, accelerator.process_index
+    device = accelerator.device
+    G = cfg.group_size
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    policy = accelerator.unwrap_model(model)
+    model.eval()
+
+    stream = _PromptStream(len(prompts), cfg.seed)  # same order on every process
+    # Per-process streams: processes sample different prompts, and independent
+    # noise on each. Sampling needs a generator on the model's device.
+    sample_gen = torch.Generator(device=device).manual_seed(cfg.seed * 1_000_003 + rank)
+    shuffle_gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + 7919 + rank)
+
+    def global_sum(values: list[float]) -> list[float]:
+        return accelerator.reduce(torch.tensor(values, dtype=torch.float64, device=device), reduction="sum").tolist()
+
+    history: list[dict[str, float]] = []
+    bar = tqdm(range(cfg.steps), desc="dapo", disable=not accelerator.is_main_process)
+    for step in bar:
+        # ---------------------------------------------------------- rollouts
+        t0 = time.perf_counter()
+        kept: list[_Rollout] = []
+        rewards_all: list[float] = []
+        lengths: list[int] = []
+        truncated = 0
+        info_sums: dict[str, list[float]] = {}  # key -> [sum, count]
+        sampled_groups, kept_groups, rounds = 0, 0, 0
+        to_draw = cfg.prompts_per_step
+        while True:
+            drawn = stream.take(to_draw)
+            mine = drawn[rank::world]
+            if mine:
+                rows = [prompts[i] for i in mine for _ in range(G)]
+                out = ar_generate(
+                    policy, rows, pad_id=pad_id, eos_id=eos_id, max_new_tokens=cfg.max_new_tokens,
+                    temperature=cfg.temperature, generator=sample_gen,
+                )
+                rewards = torch.zeros((len(mine), G))
+                for j, seq in enumerate(out.sequences):
+                    value, info = reward_fn(mine[j // G], list(seq))
+                    rewards[j // G, j % G] = float(value)
+                    rewards_all.append(float(value))
+                    lengths.append(len(seq))
+                    truncated += int(not seq or seq[-1] != eos_id)
+                    for k, v in info.items():
+                        tally = info_sums.setdefault(k, [0.0, 0.0])
+                        tally[0] += float(v)
+                        tally[1] += 1.0
+                adv, keep = group_advantages(rewards)
+                for g in keep.nonzero().flatten().tolist():
+                    for j in range(G):
+                        kept.append(_Rollout(mine[g], out.sequences[g * G + j], float(rewards[g, j]), float(adv[g, j])))
+            # Every process must agree on whether to draw again.
+            kept_groups = int(global_sum([len(kept) / G])[0])
+            sampled_groups += len(drawn)
+            rounds += 1
+            if kept_groups >= cfg.prompts_per_step or rounds > cfg.max_resample_rounds:
+                break
+            to_draw = cfg.prompts_per_step - kept_groups
+        rollout_s = time.perf_counter() - t0
+
+        # ------------------------------------------------------------ update
+        t1 = time.perf_counter()
+        upd = {"loss": 0.0, "clip_fraction": 0.0, "ratio_mean": 0.0, "approx_kl": 0.0, "tokens": 0.0}
+        grad_norms: list[float] = []
+        n_kept_global = kept_groups * G
+        if n_kept_global > 0:
+            # The unwrapped module: processes run different numbers of these
+            # forwards, and a DDP forward may sync buffers (a collective). autocast
+            # gives the same numerics as the prepared model's forward under mixed precision.
+            with torch.no_grad(), accelerator.autocast():
+                old: list[torch.Tensor] = []
+                for start in range(0, len(kept), cfg.minibatch_size):
+                    chunk = kept[start : start + cfg.minibatch_size]
+                    lp, _ = sequence_logprobs(
+                        policy, [prompts[r.prompt_index] for r in chunk], [r.completion for r in chunk], pad_id
+                    )
+                    old += [lp[i, : len(r.completion)] for i, r in enumerate(chunk)]
+            n_mb = math.ceil(n_kept_global / cfg.minibatch_size)
+            for _ in range(cfg.inner_epochs):
+                order = torch.randperm(len(kept), generator=shuffle_gen)
+                # The same number of minibatches on every process (DDP needs
+                # matching backward calls), each holding this process's share.
+                for idx in torch.tensor_split(order, n_mb):
+                    idx = idx.tolist()
+                    n_tok_local = sum(len(kept[i].completion) for i in idx)
+                    n_tok_global = global_sum([float(n_tok_local)])[0]
+                    if n_tok_global == 0:
+                        # Empty on every process (possible when the local splits
+                        # misalign): skip together, no Adam step on a zero gradient.
+                        continue
+                    if idx:
+                        chunk = [kept[i] for i in idx]
+                        logp, mask = sequence_logprobs(
+                            model, [prompts[r.prompt_index] for r in chunk], [r.completion for r in chunk], pad_id
+                        )
+                        old_lp = torch.zeros_like(logp)
+                        for row, i in enumerate(idx):
+                            old_lp[row, : old[i].shape[0]] = old[i]
+                        advs = torch.tensor([r.advantage for r in chunk], device=logp.device)
+                        loss, stats = dapo_loss(logp, old_lp, advs, mask, cfg.clip_low, cfg.clip_high)
+                        # Token-level over the global minibatch: rescale this
+                        # process's token mean to its share of all tokens; DDP
+                        # then averages over processes, hence * world.
+                        scaled = loss * (n_tok_local * world / max(n_tok_global, 1.0))
+                        for k in ("clip_fraction", "ratio_mean", "approx_kl"):
+                            upd[k] += stats[k] * stats["tokens"]
+                        upd["loss"] += float(loss.detach()) * stats["tokens"]
+                        upd["tokens"] += stats["tokens"]
+                    else:
+                        scaled = _zero_grad_forward(model, pad_id)
+                    accelerator.backward(scaled)
+                    if cfg.grad_clip > 0:
+                        grad_norms.append(float(accelerator.clip_grad_norm_(model.parameters(), cfg.grad_clip)))
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
+        update_s = time.perf_counter() - t1
+
+        # ----------------------------------------------------------- metrics
+        keys = sorted({k for ks in gather_object([sorted(info_sums)]) for k in ks})
+        local = [
+            sum(rewards_all), sum(r * r for r in rewards_all), float(len(rewards_all)), float(sum(lengths)),
+            float(truncated), upd["loss"], upd["clip_fraction"], upd["ratio_mean"], upd["approx_kl"], upd["tokens"],
+        ]
+        for k in keys:
+            local += info_sums.get(k, [0.0, 0.0])
+        tot = global_sum(local)
+        n = max(tot[2], 1.0)
+        tokens = max(tot[9], 1.0)
+        mean = tot[0] / n
+        metrics: dict[str, float] = {
+            "step": float(step + 1),
+            "reward_mean": mean,
+            "reward_std": math.sqrt(max(tot[1] / n - mean * mean, 0.0)),
+            "sampled_groups": float(sampled_groups),
+            "kept_groups": float(kept_groups),
+            "resample_rounds": float(rounds - 1),
+            "response_length": tot[3] / n,
+            "truncated_rate": tot[4] / n,
+            "loss": tot[5] / tokens,
+            "clip_fraction": tot[6] / tokens,
+            "ratio_mean": tot[7] / tokens if tot[9] > 0 else 1.0,
+            "approx_kl": tot[8] / tokens,
+            "grad_norm": sum(grad_norms) / len(grad_norms) if grad_norms else 0.0,
+            "lr": float(optimizer.param_groups[0]["lr"]),
+            "rollout_s": rollout_s,
+            "update_s": update_s,
+        }
+        for j, k in enumerate(keys):
+            s, c = tot[10 + 2 * j], tot[11 + 2 * j]
+            metrics[k if k not in metrics else f"info_{k}"] = s / c if c > 0 else 0.0
+        if accelerator.is_main_process:
+            history.append(metrics)
+            if on_step is not None:
+                on_step(metrics)
+            bar.set_postfix(reward=f"{mean:.3f}", kept=kept_groups)
+    bar.close()
+    accelerator.wait_for_everyone()
+    trained = accelerator.unwrap_model(model)
+    trained.eval()
+    return DAPOResult(model=trained, history=history)

@@ -1,0 +1,453 @@
+"""Supervised fine-tuning of the AR re-ranker on teacher traces (the `sft` stage's library).
+
+Each example is a (prompt, response) pair of the re-ranking format
+(`gr2model.rerank_format`). The model reads `prompt + response + <|eos|>` and is
+trained with next-token cross-entropy on the response only, each token weighted
+by what it is:
+
+- reasoning tokens (inside the explanation string) weigh `reasoning_weight`;
+- everything else in the response weighs `answer_weight`: the JSON scaffolding
+  before the explanation, the quotes around it, and the ranking part from the
+  `"recommendations"` key to `<|eos|>` inclusive. The ranking is short but is
+  what the metrics and the reward judge, and one wrong scaffolding token breaks
+  the parse, so it weighs more by default;
+- prompt tokens weigh 0 (labels -100): the model conditions on them and is never
+  asked to write them.
+
+The loss is `sum(w * nll) / sum(w)` over the batch (token-level, so a long trace
+counts in proportion to its length). `train_sft` runs through
+`accelerate.Accelerator`, so the same call trains on a CPU, several GPUs or nodes.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from accelerate import Accelerator
+from torch.utils.data import DataLoader
+from tqdm.auto import tqdm
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from gr2model.rerank_format import EXPLANATION_KEY
+
+__all__ = [
+    "IGNORE_INDEX",
+    "SFTConfig",
+    "SFTResult",
+    "encode_example",
+    "collate_right_padded",
+    "weighted_lm_loss",
+    "warmup_cosine_factor",
+    "train_sft",
+]
+
+log = logging.getLogger(__name__)
+
+IGNORE_INDEX = -100  # the label of a token that is never predicted (PyTorch's and HF's convention)
+
+
+@dataclass(frozen=True)
+class SFTConfig:
+    """Knobs of supervised fine-tuning.
+
+    epochs: passes over the training examples.
+    batch_size: examples per optimizer step on each process (the global batch
+        is batch_size * number of processes).
+    lr, weight_decay: AdamW; the lr warms up linearly over `warmup_steps`
+        optimizer steps, then decays to 0 on a cosine over the remaining steps.
+    reasoning_weight: loss weight of the explanation tokens.
+    answer_weight: loss weight of the rest of the response (ranking part from
+        the "recommendations" key to <|eos|> inclusive, and the JSON scaffolding).
+    max_length: examples longer than this are cut at the end (a warning counts them).
+    seed: shuffling order; training is deterministic given it on a CPU.
+    grad_clip: max global gradient norm (<= 0 disables clipping).
+    """
+
+    epochs: int = 3
+    batch_size: int = 16
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    warmup_steps: int = 20
+    reasoning_weight: float = 1.0
+    answer_weight: float = 2.0
+    max_length: int = 1024
+    seed: int = 0
+    grad_clip: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.epochs < 1 or self.batch_size < 1:
+            raise ValueError(f"epochs and batch_size must be >= 1, got {self.epochs}, {self.batch_size}")
+        if self.reasoning_weight < 0 or self.answer_weight < 0:
+            raise ValueError("loss weights must be >= 0")
+        if self.max_length < 2:
+            raise ValueError(f"max_length must be >= 2, got {self.max_length}")
+
+
+@dataclass
+class SFTResult:
+    """model: the trained model (unwrapped from any distributed wrapper, eval mode).
+    history: every dict passed to on_step (per-step metrics, then per-epoch valid metrics).
+    steps: optimizer steps taken."""
+
+    model: PreTrainedModel
+    history: list[dict[str, float]] = field(default_factory=list)
+    steps: int = 0
+
+
+# --------------------------------------------------------------------- encoding
+
+
+def _explanation_span(response: str) -> tuple[int, int] | None:
+    """Character span [start, end) of the explanation's words in a response, or None.
+
+    The span runs from the first to the last non-blank character between the two
+    quotes that follow `"explanation" :`, so blanks and the quotes themselves
+    (scaffolding) stay outside. Explanations never contain a `"` (the format
+    forbids it), so the next quote closes the string.
+    """
+    key = response.find(EXPLANATION_KEY)
+    if key < 0:
+        return None
+    colon = response.find(":", key + len(EXPLANATION_KEY))
+    open_q = response.find('"', colon + 1) if colon >= 0 else -1
+    close_q = response.find('"', open_q + 1) if open_q >= 0 else -1
+    if close_q < 0:
+        return None
+    inner = response[open_q + 1 : close_q]
+    stripped = inner.strip()
+    if not stripped:
+        return None
+    start = open_q + 1 + (len(inner) - len(inner.lstrip()))
+    return start, start + len(stripped)
+
+
+def encode_example(
+    tok: PreTrainedTokenizerBase, prompt: str, response: str, cfg: SFTConfig
+) -> dict[str, list[int] | list[float]]:
+    """Token ids, labels and loss weights of one training example.
+
+    The prompt and the response are tokenized separately (no special tokens
+    added) and joined with the tokenizer's eos id: the decoders are given the
+    prompt's ids alone, so training sees the same prompt ids as inference.
+
+    Args:
+        tok: a fast tokenizer (character offsets locate the explanation); its
+            eos token ends the response.
+        prompt, response: texts of the format (`build_prompt`, `build_response`).
+    Returns:
+        input_ids: L ints, prompt + response + eos, cut to cfg.max_length.
+        labels: L ints, IGNORE_INDEX on prompt tokens, the token id elsewhere.
+        weights: L floats, 0 on the prompt, cfg.reasoning_weight on tokens inside
+            the explanation string, cfg.answer_weight on the rest of the response.
+        reasoning: L ints, 1 on the explanation tokens (the loss split reported
+            by `train_sft`), 0 elsewhere.
+    Raises:
+        ValueError: a slow tokenizer (no offsets) or one without an eos token.
+    """
+    if not tok.is_fast:
+        raise ValueError("encode_example needs a fast tokenizer (character offsets)")
+    eos_id = tok.eos_token_id
+    if eos_id is None:
+        raise ValueError("tokenizer has no eos token")
+    prompt_ids = list(tok(prompt, add_special_tokens=False)["input_ids"])
+    enc = tok(response, add_special_tokens=False, return_offsets_mapping=True)
+    response_ids = list(enc["input_ids"]) + [eos_id]
+    span = _explanation_span(response)
+    in_expl = []
+    for start, end in enc["offset_mapping"]:
+        # A token belongs to the reasoning when it overlaps the explanation's
+        # words; a BPE token such as ' "' that starts on the blank after the last
+        # word does not, so the closing quote stays scaffolding.
+        in_expl.append(span is not None and start < span[1] and end > span[0])
+    in_expl.append(False)  # eos
+
+    n_prompt = len(prompt_ids)
+    input_ids = prompt_ids + response_ids
+    labels = [IGNORE_INDEX] * n_prompt + response_ids
+    weights = [0.0] * n_prompt + [cfg.reasoning_weight if r else cfg.answer_weight for r in in_expl]
+    reasoning = [0] * n_prompt + [int(r) for r in in_expl]
+    full = {"input_ids": input_ids, "labels": labels, "weights": weights, "reasoning": reasoning}
+    return {key: values[: cfg.max_length] for key, values in full.items()}
+
+
+def collate_right_padded(examples: Sequence[dict[str, list]], pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-pad encoded examples into one batch.
+
+    Right padding keeps each row's positions 0..len-1, as in an unpadded
+    forward; pads sit after the last real token, so the causal mask already
+    hides them from every real token and they only need zero weight.
+
+    Returns:
+        input_ids (B, L) long (pad_id on padding), attention_mask (B, L) long,
+        labels (B, L) long (IGNORE_INDEX on padding), weights (B, L) float
+        (0 on padding), reasoning (B, L) long.
+    """
+    width = max(len(e["input_ids"]) for e in examples)
+    batch = len(examples)
+    out = {
+        "input_ids": torch.full((batch, width), pad_id, dtype=torch.long),
+        "attention_mask": torch.zeros((batch, width), dtype=torch.long),
+        "labels": torch.full((batch, width), IGNORE_INDEX, dtype=torch.long),
+        "weights": torch.zeros((batch, width), dtype=torch.float32),
+        "reasoning": torch.zeros((batch, width), dtype=torch.long),
+    }
+    for row, e in enumerate(examples):
+        n = len(e["input_ids"])
+        out["input_ids"][row, :n] = torch.as_tensor(e["input_ids"])
+        out["attention_mask"][row, :n] = 1
+        out["labels"][row, :n] = torch.as_tensor(e["labels"])
+        out["weights"][row, :n] = torch.as_tensor(e["weights"], dtype=torch.float32)
+        out["reasoning"][row, :n] = torch.as_tensor(e.get("reasoning", [0] * n))
+    return out
+
+
+# ------------------------------------------------------------------------- loss
+
+
+def _shifted_nll(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token NLL with the causal shift: position i-1 predicts token i.
+
+    Args:
+        logits: (B, T, V); labels: (B, T) with IGNORE_INDEX where nothing is predicted.
+    Returns:
+        nll (B, T-1) float32 (0 where the label is ignored) and valid (B, T-1) bool,
+        both aligned with labels[:, 1:].
+    """
+    shift_logits = logits[:, :-1].float()
+    shift_labels = labels[:, 1:]
+    nll = F.cross_entropy(
+        shift_logits.reshape(-1, shift_logits.shape[-1]),
+        shift_labels.reshape(-1),
+        ignore_index=IGNORE_INDEX,
+        reduction="none",
+    ).view(shift_labels.shape)
+    return nll, shift_labels != IGNORE_INDEX
+
+
+def weighted_lm_loss(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Token-weighted causal LM loss: sum(w * nll) / sum(w).
+
+    Position i-1's logits predict token i (the shift is done here, as in HF's
+    own loss). A token counts only when its label is not IGNORE_INDEX *and* its
+    weight is non-zero, so prompt tokens never contribute whatever their label
+    or weight says.
+
+    Args:
+        logits: (B, T, V) model outputs.
+        labels: (B, T) long, IGNORE_INDEX on tokens that are not predicted.
+        weights: (B, T) float, the weight of each token (of the token, not of
+            the position predicting it).
+    Returns:
+        scalar float32 loss; 0 (with a zero gradient) when no token has weight.
+    """
+    nll, valid = _shifted_nll(logits, labels)
+    w = weights[:, 1:].float() * valid
+    # clamp: an all-prompt batch has no weight; its loss is 0, not nan.
+    return (w * nll).sum() / w.sum().clamp(min=torch.finfo(torch.float32).tiny)
+
+
+def warmup_cosine_factor(step: int, warmup_steps: int, total_steps: int) -> float:
+    """LR multiplier of optimizer step `step` (0-based): linear warmup over
+    `warmup_steps` steps (the first step already gets 1/warmup_steps: a step at
+    lr 0 would be wasted), then a cosine from 1 at step `warmup_steps` towards 0
+    (the last step gets a small positive lr)."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+    return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+
+# ------------------------------------------------------------------------ train
+
+
+def _loss_sums(
+    model: torch.nn.Module, batch: dict[str, torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(sum(w * nll) with grad, stats (6,) without grad, non-pad tokens) of one batch.
+
+    stats: [sum w, sum w*nll, reasoning nll sum, reasoning count, answer nll sum,
+    answer count]; sums rather than means so processes can add them up.
+    """
+    out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
+    nll, valid = _shifted_nll(out.logits, batch["labels"])
+    w = batch["weights"][:, 1:].float() * valid
+    weighted = (w * nll).sum()
+    with torch.no_grad():
+        is_reason = (batch["reasoning"][:, 1:] == 1) & valid
+        is_answer = valid & ~is_reason
+        stats = torch.stack(
+            [
+                w.sum(),
+                weighted.detach(),
+                (nll * is_reason).sum(),
+                is_reason.sum().float(),
+                (nll * is_answer).sum(),
+                is_answer.sum().float(),
+            ]
+        )
+    return weighted, stats, batch["attention_mask"].sum()
+
+
+def _split_metrics(stats: torch.Tensor, prefix: str = "") -> dict[str, float]:
+    """loss, reasoning_loss, answer_loss from summed stats (see `_loss_sums`)."""
+    s = stats.tolist()
+    return {
+        f"{prefix}loss": s[1] / s[0] if s[0] > 0 else 0.0,
+        f"{prefix}reasoning_loss": s[2] / s[3] if s[3] > 0 else 0.0,
+        f"{prefix}answer_loss": s[4] / s[5] if s[5] > 0 else 0.0,
+    }
+
+
+@torch.no_grad()
+def _valid_stats(
+    model: torch.nn.Module, encoded: list[dict[str, list]], cfg: SFTConfig, pad_id: int, accelerator: Accelerator
+) -> torch.Tensor:
+    """Summed loss stats (6,) of the validation set over all processes.
+
+    Each process scores a disjoint slice (i::world) and the sums are added, so
+    every example counts exactly once (a prepared DataLoader would pad the last
+    batch with repeats).
+    """
+    stats = torch.zeros(6, device=accelerator.device)
+    mine = encoded[accelerator.process_index :: accelerator.num_processes]
+    for start in range(0, len(mine), cfg.batch_size):
+        batch = collate_right_padded(mine[start : start + cfg.batch_size], pad_id)
+        batch = {k: v.to(accelerator.device) for k, v in batch.items()}
+        with accelerator.autocast():
+            stats += _loss_sums(model, batch)[1]
+    return accelerator.reduce(stats, reduction="sum")
+
+
+def _encode_all(
+    tok: PreTrainedTokenizerBase, examples: Sequence[tuple[str, str]], cfg: SFTConfig, what: str
+) -> list[dict[str, list]]:
+    encoded = [encode_example(tok, p, r, cfg) for p, r in examples]
+    # A cut example loses its end (the ranking, eos) and still trains its start;
+    # one cut before its response has nothing to learn and is dropped.
+    n_cut = sum(1 for e in encoded if len(e["input_ids"]) == cfg.max_length)
+    kept = [e for e in encoded if any(w > 0 for w in e["weights"][1:])]
+    if n_cut:
+        log.warning(
+            "%s: %d of %d examples reach max_length=%d (longer ones are cut)", what, n_cut, len(encoded), cfg.max_length
+        )
+    if len(kept) < len(encoded):
+        log.warning("%s: %d examples have no response token left and are dropped", what, len(encoded) - len(kept))
+    return kept
+
+
+def train_sft(
+    model: PreTrainedModel,
+    tok: PreTrainedTokenizerBase,
+    examples: Sequence[tuple[str, str]],
+    cfg: SFTConfig,
+    *,
+    valid: Sequence[tuple[str, str]] | None = None,
+    on_step: Callable[[dict[str, float]], None] | None = None,
+    accelerator: Accelerator | None = None,
+) -> SFTResult:
+    """Fine-tune a causal LM on (prompt, response) pairs with `weighted_lm_loss`.
+
+    Setup: encode (`encode_example`), a shuffled DataLoader (seeded) of
+    right-padded batches, AdamW, linear warmup then cosine decay; model,
+    optimizer and DataLoader go through `accelerator.prepare`. Loop: forward,
+    `accelerator.backward`, clip, step. The loss is normalised by the total
+    weight of the global batch (all processes), so several processes compute
+    the same gradient as one process with their batches together.
+
+    Args:
+        model: a causal LM whose forward maps input_ids (B, L) and attention_mask
+            (B, L) to logits (B, L, V).
+        tok: its tokenizer (fast; pad and eos tokens set).
+        examples: (prompt, response) texts; the response without the eos token.
+        cfg: see SFTConfig.
+        valid: optional held-out pairs; their loss is computed after every epoch.
+        on_step: called on the main process with each step's metrics (step, epoch,
+            loss, reasoning_loss, answer_loss, lr, grad_norm, tokens_per_s) and
+            after each epoch with valid metrics (step, epoch, valid_loss,
+            valid_reasoning_loss, valid_answer_loss). reasoning_loss and
+            answer_loss are plain mean NLLs over those tokens (unweighted).
+        accelerator: the Accelerator to run under (a default one when None).
+    Returns:
+        SFTResult (model unwrapped, in eval mode).
+    """
+    accelerator = accelerator or Accelerator()
+    pad_id = tok.pad_token_id
+    if pad_id is None:
+        raise ValueError("tokenizer has no pad token")
+    train_enc = _encode_all(tok, examples, cfg, "train")
+    if not train_enc:
+        raise ValueError("no training example with a response token")
+    valid_enc = _encode_all(tok, valid, cfg, "valid") if valid else []
+
+    # A seeded generator makes the shuffle order a function of cfg.seed;
+    # accelerate syncs this generator's state across processes every epoch.
+    loader = DataLoader(
+        train_enc,
+        batch_size=cfg.batch_size,
+        shuffle=True,
+        generator=torch.Generator().manual_seed(cfg.seed),
+        collate_fn=functools.partial(collate_right_padded, pad_id=pad_id),  # picklable, for worker processes
+    )
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    model.train()
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    total_steps = cfg.epochs * len(loader)
+    # Built after prepare, on the per-process number of steps, and not prepared
+    # itself: accelerate's scheduler wrapper would step it once per process.
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: warmup_cosine_factor(s, cfg.warmup_steps, total_steps)
+    )
+
+    history: list[dict[str, float]] = []
+
+    def emit(metrics: dict[str, float]) -> None:
+        if accelerator.is_main_process:
+            history.append(metrics)
+            if on_step is not None:
+                on_step(metrics)
+
+    world = accelerator.num_processes
+    step = 0
+    bar = tqdm(total=total_steps, desc="sft", disable=not accelerator.is_main_process)
+    for epoch in range(cfg.epochs):
+        model.train()
+        for batch in loader:
+            t0 = time.perf_counter()
+            lr = scheduler.get_last_lr()[0]
+            weighted, stats, n_tokens = _loss_sums(model, batch)
+            # One all-reduce gives the global weight (for the normaliser) and the
+            # logged sums together; DDP averages gradients over processes, hence * world.
+            totals = accelerator.reduce(torch.cat([stats, n_tokens.float()[None]]), reduction="sum")
+            loss = weighted * world / totals[0].clamp(min=torch.finfo(torch.float32).tiny)
+            accelerator.backward(loss)
+            grad_norm = float("nan")
+            if cfg.grad_clip > 0:
+                grad_norm = float(accelerator.clip_grad_norm_(model.parameters(), cfg.grad_clip))
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+            seconds = time.perf_counter() - t0
+            metrics = {"step": float(step), "epoch": float(epoch), **_split_metrics(totals[:6])}
+            metrics.update(lr=lr, grad_norm=grad_norm, tokens_per_s=float(totals[6]) / max(seconds, 1e-9))
+            emit(metrics)
+            bar.update(1)
+            bar.set_postfix(loss=f"{metrics['loss']:.4f}")
+        if valid_enc:
+            model.eval()
+            # The unwrapped module: processes may score different numbers of
+            # batches, and a DDP forward may sync buffers (a collective).
+            vstats = _valid_stats(accelerator.unwrap_model(model), valid_enc, cfg, pad_id, accelerator)
+            emit({"step": float(step), "epoch": float(epoch), **_split_metrics(vstats, "valid_")})
+    bar.close()
+    accelerator.wait_for_everyone()
+    trained = accelerator.unwrap_model(model)
+    trained.eval()
+    return SFTResult(model=trained, history=history, steps=step)

@@ -1,0 +1,279 @@
+"""SFT: the weighted loss (HF parity, prompt masking, weight placement) and a tiny model that learns a toy task."""
+
+from __future__ import annotations
+
+import faulthandler
+import itertools
+from pathlib import Path
+
+import polars as pl
+import pytest
+import torch
+from accelerate import Accelerator, debug_launcher
+from accelerate.state import AcceleratorState
+
+from gr2model.ar_decode import ar_generate
+from gr2model.ar_model import ARModelConfig, build_ar_model
+from gr2model.rerank_format import (
+    FormatConfig,
+    ItemText,
+    build_full_text,
+    build_prompt,
+    build_response,
+    parse_response,
+)
+from gr2model.sft import (
+    IGNORE_INDEX,
+    SFTConfig,
+    collate_right_padded,
+    encode_example,
+    train_sft,
+    warmup_cosine_factor,
+    weighted_lm_loss,
+)
+from gr2model.tokenizer import build_tokenizer, special_ids
+
+TINY = ARModelConfig(
+    hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128, max_position_embeddings=128
+)
+WORDS = ["because", "first", "likes"]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    # Tiny matrices gain nothing from a second thread, and on a busy 2-core
+    # machine two threads per process make these tests ~10x slower.
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def items_table() -> pl.DataFrame:
+    ids = [1, 2, 3, 4]
+    return pl.DataFrame(
+        {"item_id": ids, "sid": [[i % 2, i // 2, i, 0] for i in ids], "attributes": [[i] for i in ids]},
+        schema={"item_id": pl.Int64, "sid": pl.List(pl.Int64), "attributes": pl.List(pl.Int64)},
+    )
+
+
+@pytest.fixture(scope="module")
+def items() -> ItemText:
+    return ItemText(items_table())
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_tokenizer(items_table(), WORDS, max_sid_code=4)
+
+
+def tiny_model(tok, seed: int = 0):
+    sp = special_ids(tok)
+    return build_ar_model(TINY, len(tok), pad_id=sp["pad"], bos_id=sp["bos"], eos_id=sp["eos"], seed=seed)
+
+
+def toy_examples(items: ItemText) -> list[tuple[str, str]]:
+    """Every ordered choice of 3 of the 4 items as candidates; the answer is
+    their reverse order after a fixed explanation: a deterministic function."""
+    fc = FormatConfig(history_len=0, with_attributes=False)
+    return [
+        (build_prompt([], c, items, fc), build_response(["because", "first"], list(reversed(c)), items))
+        for c in itertools.permutations([1, 2, 3, 4], 3)
+    ]
+
+
+# ------------------------------------------------------------------------ loss
+
+
+def test_weighted_loss_equals_hf_loss_with_unit_weights(tok) -> None:
+    model = tiny_model(tok)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(7, len(tok), (3, 12), generator=g)
+    labels = ids.clone()
+    labels[:, :5] = IGNORE_INDEX  # a prompt
+    labels[2, 9:] = IGNORE_INDEX  # a shorter row
+    out = model(input_ids=ids, labels=labels)
+    ours = weighted_lm_loss(out.logits, labels, torch.ones(ids.shape))
+    assert torch.allclose(ours, out.loss, atol=1e-6)
+
+
+def test_weighted_loss_properties() -> None:
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(2, 6, 11, generator=g)
+    labels = torch.randint(0, 11, (2, 6), generator=g)
+    labels[:, 0] = IGNORE_INDEX
+    w = torch.rand(2, 6, generator=g) + 0.1
+    base = weighted_lm_loss(logits, labels, w)
+    # Only the ratios of the weights matter.
+    assert torch.allclose(weighted_lm_loss(logits, labels, 7.0 * w), base, atol=1e-6)
+    # All weight on one token: the loss is that token's nll, predicted by the position before it.
+    one = torch.zeros_like(w)
+    one[1, 3] = 1.0
+    nll = -torch.log_softmax(logits[1, 2], -1)[labels[1, 3]]
+    assert torch.allclose(weighted_lm_loss(logits, labels, one), nll, atol=1e-6)
+    # No weight anywhere: 0, not nan, and a zero gradient.
+    x = logits.clone().requires_grad_(True)
+    zero = weighted_lm_loss(x, labels, torch.zeros_like(w))
+    zero.backward()
+    assert zero.item() == 0.0 and torch.count_nonzero(x.grad) == 0
+
+
+def test_prompt_tokens_never_contribute(tok, items) -> None:
+    prompt, response = toy_examples(items)[0]
+    enc = encode_example(tok, prompt, response, SFTConfig())
+    n_prompt = len(tok(prompt, add_special_tokens=False)["input_ids"])
+    labels = torch.tensor([enc["labels"]])
+    weights = torch.tensor([enc["weights"]])
+    g = torch.Generator().manual_seed(2)
+    logits = torch.randn(1, labels.shape[1], len(tok), generator=g)
+    base = weighted_lm_loss(logits, labels, weights)
+
+    # A real label on a prompt token (weight still 0) changes nothing.
+    relabeled = labels.clone()
+    relabeled[0, :n_prompt] = torch.tensor(enc["input_ids"][:n_prompt])
+    assert torch.equal(weighted_lm_loss(logits, relabeled, weights), base)
+    # A weight on a prompt token (label still ignored) changes nothing.
+    reweighted = weights.clone()
+    reweighted[0, :n_prompt] = 5.0
+    assert torch.equal(weighted_lm_loss(logits, labels, reweighted), base)
+    # Logits at positions that predict prompt tokens (0 .. n_prompt-2), and at
+    # the last position (predicts nothing), change nothing...
+    noisy = logits.clone()
+    noisy[0, : n_prompt - 1] += 100.0 * torch.randn(n_prompt - 1, len(tok), generator=g)
+    noisy[0, -1] += 100.0 * torch.randn(len(tok), generator=g)
+    assert torch.equal(weighted_lm_loss(noisy, labels, weights), base)
+    # ...while the last prompt position predicts the first response token.
+    noisy[0, n_prompt - 1] += 100.0 * torch.randn(len(tok), generator=g)
+    assert not torch.allclose(weighted_lm_loss(noisy, labels, weights), base)
+
+
+def test_weights_land_on_the_right_tokens(tok, items) -> None:
+    fc = FormatConfig(history_len=2, with_attributes=True)
+    prompt = build_prompt([4, 1], [2, 3, 1], items, fc)
+    response = build_response(["likes", "<a_1>", "because"], [3, 2, 1], items)
+    cfg = SFTConfig(reasoning_weight=0.5, answer_weight=3.0)
+    enc = encode_example(tok, prompt, response, cfg)
+
+    # The ids are exactly the tokenization of the full training text.
+    assert enc["input_ids"] == tok(build_full_text(prompt, response), add_special_tokens=False)["input_ids"]
+    words = build_full_text(prompt, response).split()
+    n_prompt = len(prompt.split())
+    assert enc["labels"][:n_prompt] == [IGNORE_INDEX] * n_prompt
+    assert enc["labels"][n_prompt:] == enc["input_ids"][n_prompt:]
+    by_word = list(zip(words, enc["weights"], enc["reasoning"]))
+    assert all(w == 0.0 for _, w, _ in by_word[:n_prompt])
+    resp = by_word[n_prompt:]
+    # { "explanation" : " likes <a_1> because " , "recommendations" : [ ... ] } <|eos|>
+    assert [t for t, _, _ in resp[:4]] == ["{", '"explanation"', ":", '"']
+    assert all(w == 3.0 and r == 0 for _, w, r in resp[:4])  # scaffolding before the explanation
+    assert resp[4:7] == [("likes", 0.5, 1), ("<a_1>", 0.5, 1), ("because", 0.5, 1)]
+    assert resp[7:10] == [('"', 3.0, 0), (",", 3.0, 0), ('"recommendations"', 3.0, 0)]
+    assert all(w == 3.0 and r == 0 for _, w, r in resp[7:])  # ranking part, eos included
+    assert resp[-1] == ("<|eos|>", 3.0, 0)
+
+    # max_length cuts at the end.
+    short = encode_example(tok, prompt, response, SFTConfig(max_length=n_prompt + 3))
+    assert short["input_ids"] == enc["input_ids"][: n_prompt + 3]
+    assert len(short["weights"]) == len(short["labels"]) == n_prompt + 3
+
+
+def test_collate_right_pads() -> None:
+    a = {"input_ids": [5, 6, 7], "labels": [-100, 6, 7], "weights": [0.0, 1.0, 2.0], "reasoning": [0, 1, 0]}
+    b = {"input_ids": [8], "labels": [8], "weights": [1.0], "reasoning": [0]}
+    batch = collate_right_padded([a, b], pad_id=0)
+    assert batch["input_ids"].tolist() == [[5, 6, 7], [8, 0, 0]]
+    assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
+    assert batch["labels"].tolist() == [[-100, 6, 7], [8, -100, -100]]
+    assert batch["weights"].tolist() == [[0.0, 1.0, 2.0], [1.0, 0.0, 0.0]]
+
+
+def test_warmup_cosine_schedule() -> None:
+    f = [warmup_cosine_factor(s, 4, 20) for s in range(20)]
+    assert f[:4] == [0.25, 0.5, 0.75, 1.0]
+    assert f[4] == 1.0
+    assert all(a >= b for a, b in zip(f[4:], f[5:]))
+    assert 0.0 < f[-1] < 0.05
+
+
+# ----------------------------------------------------------------------- train
+
+
+def test_train_sft_learns_a_deterministic_task(tok, items) -> None:
+    examples = toy_examples(items)
+    seen: list[dict[str, float]] = []
+    cfg = SFTConfig(epochs=40, batch_size=8, lr=3e-3, warmup_steps=10)
+    result = train_sft(tiny_model(tok), tok, examples, cfg, valid=examples[:4], on_step=seen.append)
+
+    assert result.steps == 40 * 3
+    assert seen == result.history
+    steps = [h for h in seen if "loss" in h]
+    valids = [h for h in seen if "valid_loss" in h]
+    assert len(steps) == 120 and len(valids) == 40
+    assert {"loss", "reasoning_loss", "answer_loss", "lr", "tokens_per_s", "grad_norm"} <= set(steps[0])
+    first = sum(h["loss"] for h in steps[:3]) / 3
+    last = sum(h["loss"] for h in steps[-3:]) / 3
+    assert last < 0.1 * first
+    assert valids[-1]["valid_loss"] < 0.1 * valids[0]["valid_loss"]
+
+    sp = special_ids(tok)
+    prompt_ids = [tok(p, add_special_tokens=False)["input_ids"] for p, _ in examples]
+    out = ar_generate(result.model, prompt_ids, pad_id=sp["pad"], eos_id=sp["eos"], max_new_tokens=60)
+    exact = sum(tok.decode(s) == f"{r} <|eos|>" for (_, r), s in zip(examples, out.sequences))
+    assert exact >= 0.8 * len(examples)
+    # The learned answers are valid, reversed rankings.
+    parsed = parse_response(tok.decode(out.sequences[0]), [1, 2, 3], items)
+    assert parsed.valid_permutation and parsed.ranking == [3, 2, 1]
+
+
+def test_train_sft_is_deterministic(tok, items) -> None:
+    examples = toy_examples(items)[:10]
+    cfg = SFTConfig(epochs=2, batch_size=4, lr=1e-3, warmup_steps=2, seed=3)
+
+    def run() -> tuple[list[dict[str, float]], torch.nn.Module]:
+        r = train_sft(tiny_model(tok), tok, examples, cfg)
+        return [{k: v for k, v in h.items() if k != "tokens_per_s"} for h in r.history], r.model
+
+    h1, m1 = run()
+    h2, m2 = run()
+    assert h1 == h2
+    assert all(torch.equal(a, b) for a, b in zip(m1.parameters(), m2.parameters()))
+    assert not m1.training
+
+
+def _sft_worker(tok, examples: list[tuple[str, str]], valid: list[tuple[str, str]], cfg: SFTConfig, out: Path) -> None:
+    """One of two processes (forked by debug_launcher): train, save the weights."""
+    faulthandler.dump_traceback_later(60, exit=True)  # a deadlock fails the test instead of hanging it
+    AcceleratorState._reset_state(True)  # the parent's single-process state came along with the fork
+    acc = Accelerator(cpu=True)
+    torch.set_num_threads(1)  # accelerate just set 2 threads per process
+    assert acc.num_processes == 2
+    result = train_sft(tiny_model(tok), tok, examples, cfg, valid=valid, accelerator=acc)
+    torch.save([p.detach() for p in result.model.parameters()], out / f"rank{acc.process_index}.pt")
+    torch.save(result.history, out / f"history{acc.process_index}.pt")
+    faulthandler.cancel_dump_traceback_later()
+
+
+def test_two_processes_equal_one_process_with_the_global_batch(tok, items, tmp_path: Path) -> None:
+    """DDP over 2 CPU processes with batch 4 each takes the same steps as 1 process with batch 8.
+
+    The prepared loader gives process r the batches r, r+2, ... of the same seeded
+    order, so a global step sees the same 8 examples; the loss is normalised by
+    the global weight, so the gradients agree too. (The processes get the tokenizer
+    and texts from the parent: polars' thread pool does not survive a fork.)
+    """
+    examples = toy_examples(items)[:16]
+    valid = toy_examples(items)[16:21]  # 5: the processes score 3 and 2 of them
+    cfg = SFTConfig(epochs=2, batch_size=4, lr=1e-3, warmup_steps=2)
+    debug_launcher(_sft_worker, args=(tok, examples, valid, cfg, tmp_path), num_processes=2)
+    rank0, rank1 = torch.load(tmp_path / "rank0.pt"), torch.load(tmp_path / "rank1.pt")
+    assert all(torch.equal(a, b) for a, b in zip(rank0, rank1))
+    assert torch.load(tmp_path / "history1.pt") == []  # only the main process logs
+
+    single_cfg = SFTConfig(epochs=2, batch_size=8, lr=1e-3, warmup_steps=2)
+    single = train_sft(tiny_model(tok), tok, examples, single_cfg, valid=valid)
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(rank0, single.model.parameters()))
+    history = torch.load(tmp_path / "history0.pt")
+    assert [sorted(h) for h in history] == [sorted(h) for h in single.history]
+    for key in ("loss", "answer_loss", "valid_loss", "valid_reasoning_loss"):
+        ours = [h[key] for h in history if key in h]
+        assert ours and ours == pytest.approx([h[key] for h in single.history if key in h], abs=1e-5)
