@@ -21,15 +21,22 @@ DVC_ENV = {"DVC_NO_ANALYTICS": "1"}
 
 
 def stage_order(root: Path) -> list[str]:
-    """Stage names of dvc.yaml in an order that respects every dependency."""
+    """Stage names of dvc.yaml in an order that respects every dependency.
+
+    Among stages whose dependencies are all done, dvc.yaml's own order decides,
+    so the order is stable from run to run.
+    """
     import networkx as nx
     from dvc.repo import Repo
 
     with Repo(str(root)) as repo:
-        graph = repo.index.graph
         # DVC's edges point from a stage to the stages it depends on.
-        stages = [s for s in reversed(list(nx.topological_sort(graph))) if getattr(s, "name", None)]
-        return [s.name for s in stages]
+        graph = repo.index.graph.reverse(copy=True)
+        named = [s for s in graph.nodes if getattr(s, "name", None)]
+        listed = list((yaml.safe_load((root / "dvc.yaml").read_text()) or {}).get("stages", {}))
+        rank = {name: i for i, name in enumerate(listed)}
+        order = nx.lexicographical_topological_sort(graph.subgraph(named), key=lambda s: rank.get(s.name, len(rank)))
+        return [s.name for s in order]
 
 
 def changed_stages(root: Path) -> set[str]:

@@ -32,10 +32,15 @@ class ModelStage:
     stage: str
     model_name: str
     checkpoint: str  # path relative to the project root, a DVC output of the stage
+    # Other files the served model needs (name -> path relative to the root).
+    extra_artifacts: tuple[tuple[str, str], ...] = ()
 
 
+_RERANKER_FILES = (("items", "data/prepared/items.parquet"), ("format", "data/traces/format.json"))
 MODEL_STAGES: dict[str, ModelStage] = {
     "retrieve": ModelStage("retrieve", "gr2-retriever", "checkpoints/retriever"),
+    "sft": ModelStage("sft", "gr2", "checkpoints/gr2-sft", _RERANKER_FILES),
+    "ar_rl": ModelStage("ar_rl", "gr2", "checkpoints/gr2", _RERANKER_FILES),
 }
 
 
@@ -64,12 +69,52 @@ class RetrieverModel(mlflow.pyfunc.PythonModel):
         return pd.DataFrame({"candidates": ids.tolist(), "scores": scores.tolist()})
 
 
-PYFUNC_CLASSES: dict[str, type[mlflow.pyfunc.PythonModel]] = {"gr2-retriever": RetrieverModel}
+class GR2Model(mlflow.pyfunc.PythonModel):
+    """Serves an AR re-ranker: input `history` and `candidates` (item-id lists), output the ranking.
+
+    Output columns: `ranking` (the parsed ranking, or the incoming order when the
+    answer was invalid), `explanation`, `valid` (whether the raw answer was a
+    valid permutation of the candidates), `response` (the raw text).
+    """
+
+    def load_context(self, context: Any) -> None:
+        import json
+
+        import polars as pl
+
+        from gr2model.checkpoint import load_hf_checkpoint
+        from gr2model.rerank_format import FormatConfig, ItemText
+
+        self.model, self.tok = load_hf_checkpoint(Path(context.artifacts["checkpoint"]))
+        self.items = ItemText(pl.read_parquet(context.artifacts["items"]))
+        self.fmt = FormatConfig(**json.loads(Path(context.artifacts["format"]).read_text()))
+
+    def predict(self, context: Any, model_input: pd.DataFrame, params: dict[str, Any] | None = None) -> pd.DataFrame:
+        import polars as pl
+
+        from gr2model.rerank_eval import lm_rerank
+
+        lists = pl.DataFrame(
+            {"history": [list(map(int, h)) for h in model_input["history"]], "candidates": [list(map(int, c)) for c in model_input["candidates"]]},
+            schema={"history": pl.List(pl.Int64), "candidates": pl.List(pl.Int64)},
+        )
+        out = lm_rerank(self.model, self.tok, lists, self.items, self.fmt, max_new_tokens=int((params or {}).get("max_new_tokens", 320)))
+        return pd.DataFrame(
+            {
+                "ranking": [p.ranking for p in out.parsed],
+                "explanation": [p.explanation for p in out.parsed],
+                "valid": [p.valid_permutation for p in out.parsed],
+                "response": out.texts,
+            }
+        )
+
+
+PYFUNC_CLASSES: dict[str, type[mlflow.pyfunc.PythonModel]] = {"gr2-retriever": RetrieverModel, "gr2": GR2Model}
 
 
 def pip_requirements() -> list[str]:
     """Explicit requirements (inferring them costs seconds and guesses)."""
-    pkgs = ["torch", "numpy", "polars", "pandas", "scipy", "safetensors", "tqdm", "mlflow"]
+    pkgs = ["torch", "transformers", "tokenizers", "numpy", "polars", "pandas", "scipy", "safetensors", "tqdm", "mlflow"]
     return [f"{p}=={version(p)}" for p in pkgs] + ["diffusion-gr2"]
 
 
@@ -100,7 +145,7 @@ def register_checkpoint(
         info = mlflow.pyfunc.log_model(
             name=spec.stage,
             python_model=PYFUNC_CLASSES[spec.model_name](),
-            artifacts={"checkpoint": str(root / spec.checkpoint)},
+            artifacts={"checkpoint": str(root / spec.checkpoint), **{name: str(root / path) for name, path in spec.extra_artifacts}},
             pip_requirements=pip_requirements(),
             registered_model_name=spec.model_name,
         )

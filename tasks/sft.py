@@ -107,7 +107,7 @@ def run(cfg: SftStageConfig, root: Path, log: logging.Logger, tracker: StageTrac
         result = train_sft(model, tok, train, scfg, valid=valid or None, on_step=step_metrics)
     with atomic_dir(root / CHECKPOINT) as out:
         save_hf_checkpoint(out, result.model, tok, {"stage": STAGE, **cfg.model_dump(), "sft": asdict(scfg)})
-    last = result.history[-1] if result.history else {}
+    last = next((h for h in reversed(result.history) if "loss" in h), {})
     valid_losses = [h for h in result.history if any(k.startswith("valid") for k in h)]
     return {
         "parameters": n_params,

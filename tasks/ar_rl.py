@@ -1,0 +1,128 @@
+"""Stage `ar_rl`: DAPO of the SFT re-ranker with the conditional verifiable reward -> GR2, the AR teacher.
+
+Rollouts are the model's own sampled answers to training prompts; the reward
+(gr2model.rewards.rerank_reward) pays for moving the target up and pays the
+format bonus only when it did, so copying the incoming order earns nothing, and
+an invalid answer scores -1. No KL penalty (DAPO).
+
+    python -m tasks.ar_rl
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import polars as pl
+import torch
+
+from gr2model.checkpoint import load_hf_checkpoint, read_stage_config, save_hf_checkpoint
+from gr2model.dapo import DAPOConfig, train_dapo
+from gr2model.data import load_prepared
+from gr2model.rerank_eval import prompts_of, rerank_examples
+from gr2model.rerank_format import FormatConfig, ItemText, parse_response
+from gr2model.rewards import RewardConfig, rerank_reward
+from tasks.common import StageConfig, atomic_dir, load_stage_config, stage_main, timed, write_json_atomic
+from tasks.tracking import StageTracker, stage_run
+
+STAGE = "ar_rl"
+PREPARED = Path("data/prepared")
+CANDIDATES = Path("data/candidates")
+TRACES = Path("data/traces")
+SFT_CHECKPOINT = Path("checkpoints/gr2-sft")
+CHECKPOINT = Path("checkpoints/gr2")
+METRICS = Path("metrics/ar_rl.json")
+
+
+class ArRlConfig(StageConfig):
+    seed: int = 0
+    group_size: int = 8
+    prompts_per_step: int = 8
+    steps: int = 30
+    inner_epochs: int = 1
+    minibatch_size: int = 16
+    lr: float = 5e-5
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    temperature: float = 1.0
+    max_new_tokens: int = 320
+    max_resample_rounds: int = 3
+    format_bonus: float = 0.2
+    invalid_penalty: float = -1.0
+    max_prompts: int = 2000  # training re-ranking examples the prompts are drawn from (0 = all)
+
+
+CONFIG = ArRlConfig
+
+
+def training_prompts(root: Path, fmt: FormatConfig, items: ItemText, max_prompts: int) -> pl.DataFrame:
+    """Training re-ranking examples with their prompt text (the prompts RL and trajectories decode)."""
+    lists = rerank_examples(pl.read_parquet(root / CANDIDATES / "train.parquet"))
+    if max_prompts:
+        lists = lists.head(max_prompts)
+    return lists.with_columns(pl.Series("prompt", prompts_of(lists, items, fmt)))
+
+
+def run(cfg: ArRlConfig, root: Path, log: logging.Logger, tracker: StageTracker) -> dict[str, Any]:
+    timings: dict[str, float] = {}
+    start = time.perf_counter()
+    torch.manual_seed(cfg.seed)
+    ds, _ = load_prepared(root / PREPARED)
+    items = ItemText(ds.items)
+    fmt = FormatConfig(**json.loads((root / TRACES / "format.json").read_text()))
+    model, tok = load_hf_checkpoint(root / SFT_CHECKPOINT)
+    examples = training_prompts(root, fmt, items, cfg.max_prompts)
+    prompts = [tok(p, add_special_tokens=False)["input_ids"] for p in examples["prompt"].to_list()]
+    candidates = examples["candidates"].to_list()
+    targets = examples["target"].to_list()
+    rcfg = RewardConfig(format_bonus=cfg.format_bonus, invalid_penalty=cfg.invalid_penalty)
+
+    def reward_fn(i: int, completion: list[int]) -> tuple[float, dict[str, float]]:
+        parsed = parse_response(tok.decode(completion, skip_special_tokens=False), candidates[i], items)
+        info = {"valid": float(parsed.valid_permutation), "copy": float(parsed.copies_incoming), "hit1": float(parsed.ranking[0] == targets[i])}
+        return rerank_reward(parsed, candidates[i], targets[i], rcfg), info
+
+    dcfg = DAPOConfig(
+        **cfg.model_dump(exclude={"format_bonus", "invalid_penalty", "max_prompts"}),
+    )
+    with timed(log, f"DAPO: {dcfg.steps} steps x {dcfg.prompts_per_step} prompts x {dcfg.group_size} samples", timings, "train_s"):
+        result = train_dapo(
+            model, tok, prompts, reward_fn, dcfg,
+            on_step=lambda m: tracker.log_metrics({k: v for k, v in m.items() if k != "step"}, step=int(m["step"])),
+        )
+    with atomic_dir(root / CHECKPOINT) as out:
+        save_hf_checkpoint(out, result.model, tok, {"stage": STAGE, "from": str(SFT_CHECKPOINT), "sft": read_stage_config(root / SFT_CHECKPOINT), STAGE: cfg.model_dump()})
+    hist = result.history
+    head, tail = hist[: max(1, len(hist) // 5)], hist[-max(1, len(hist) // 5) :]
+
+    def avg(rows: list[dict[str, float]], key: str) -> float | None:
+        vals = [r[key] for r in rows if key in r]
+        return sum(vals) / len(vals) if vals else None
+
+    return {
+        "steps": len(hist),
+        "prompts_available": len(prompts),
+        # first and last fifth of training: the rollouts' own reward, validity and copy rate
+        **{f"{k}_{when}": avg(rows, k) for k in ("reward_mean", "valid", "copy", "hit1") for when, rows in (("first", head), ("last", tail))},
+        **timings,
+        "seconds": round(time.perf_counter() - start, 2),
+    }
+
+
+def main() -> None:
+    def body(log: logging.Logger) -> None:
+        cfg = load_stage_config(STAGE, CONFIG)
+        root = Path.cwd()
+        with stage_run(STAGE, cfg.model_dump()) as tracker:
+            metrics = run(cfg, root, log, tracker)
+            write_json_atomic(metrics, root / METRICS)
+            tracker.log_metrics(metrics)
+
+    stage_main(STAGE, body)
+
+
+if __name__ == "__main__":
+    main()

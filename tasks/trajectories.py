@@ -1,0 +1,89 @@
+"""Stage `trajectories`: GR2 decodes every training prompt; the full responses are the teacher trajectories.
+
+Conversion fine-tuning of the diffusion model trains on these (prompt + GR2's
+own response), so they are kept whole, with whether each is valid and correct.
+
+    python -m tasks.trajectories
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import polars as pl
+import torch
+
+from gr2model.candidates import write_parquet_atomic
+from gr2model.checkpoint import load_hf_checkpoint
+from gr2model.data import load_prepared
+from gr2model.rerank_eval import lm_rerank
+from gr2model.rerank_format import FormatConfig, ItemText, rerank_metrics
+from tasks.ar_rl import training_prompts
+from tasks.common import StageConfig, atomic_dir, load_stage_config, stage_main, timed, write_json_atomic
+from tasks.tracking import StageTracker, stage_run
+
+STAGE = "trajectories"
+PREPARED = Path("data/prepared")
+TRACES = Path("data/traces")
+GR2 = Path("checkpoints/gr2")
+OUT_DIR = Path("data/trajectories")
+METRICS = Path("metrics/trajectories.json")
+
+
+class TrajectoriesConfig(StageConfig):
+    batch_size: int = 32
+    max_new_tokens: int = 320
+    max_examples: int = 0  # 0 = every training re-ranking example
+
+
+CONFIG = TrajectoriesConfig
+
+
+def run(cfg: TrajectoriesConfig, root: Path, log: logging.Logger, tracker: StageTracker) -> dict[str, Any]:
+    timings: dict[str, float] = {}
+    start = time.perf_counter()
+    ds, _ = load_prepared(root / PREPARED)
+    items = ItemText(ds.items)
+    fmt = FormatConfig(**json.loads((root / TRACES / "format.json").read_text()))
+    model, tok = load_hf_checkpoint(root / GR2)
+    examples = training_prompts(root, fmt, items, cfg.max_examples)
+    with timed(log, f"GR2 decodes {examples.height} training prompts", timings, "decode_s"):
+        out = lm_rerank(model, tok, examples, items, fmt, batch_size=cfg.batch_size, max_new_tokens=cfg.max_new_tokens, desc="trajectories")
+    table = examples.select("user_id", "position", "prompt", "candidates", "target").with_columns(
+        pl.Series("response", out.texts),
+        pl.Series("valid_format", [p.valid_format for p in out.parsed]),
+        pl.Series("valid_permutation", [p.valid_permutation for p in out.parsed]),
+        pl.Series("ranking", [p.ranking for p in out.parsed], dtype=pl.List(pl.Int64)),
+        pl.Series("correct", [p.valid_permutation and p.ranking[0] == t for p, t in zip(out.parsed, examples["target"].to_list(), strict=True)]),
+    )
+    with atomic_dir(root / OUT_DIR) as tmp:
+        write_parquet_atomic(table, tmp / "train.parquet")
+    return {
+        "examples": table.height,
+        **rerank_metrics(out.parsed, examples["target"].to_list()),
+        "tokens_per_s": out.generated_tokens / max(out.seconds, 1e-9),
+        "response_tokens": out.generated_tokens / max(table.height, 1),
+        **timings,
+        "seconds": round(time.perf_counter() - start, 2),
+    }
+
+
+def main() -> None:
+    def body(log: logging.Logger) -> None:
+        torch.manual_seed(0)
+        cfg = load_stage_config(STAGE, CONFIG)
+        root = Path.cwd()
+        with stage_run(STAGE, cfg.model_dump()) as tracker:
+            metrics = run(cfg, root, log, tracker)
+            write_json_atomic(metrics, root / METRICS)
+            tracker.log_metrics(metrics)
+
+    stage_main(STAGE, body)
+
+
+if __name__ == "__main__":
+    main()
