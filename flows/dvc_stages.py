@@ -10,6 +10,7 @@ import logging
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ import yaml
 log = logging.getLogger("flows.dvc")
 
 DVC_ENV = {"DVC_NO_ANALYTICS": "1"}
+PROGRESS_EVERY_S = 5.0
 
 
 def stage_order(root: Path) -> list[str]:
@@ -63,14 +65,20 @@ def repro(root: Path, stage: str, env: dict[str, str] | None = None, force: bool
     full_env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), full_env.get("PATH", "")])
     proc = subprocess.Popen(cmd, cwd=root, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
     tail: list[str] = []
+    last_progress = 0.0
     assert proc.stdout is not None
     for line in proc.stdout:
-        line = line.rstrip()
         # tqdm redraws with carriage returns; keep the last state of the line.
-        line = line.split("\r")[-1]
-        if line:
-            log.info("[%s] %s", stage, line)
-            tail = (tail + [line])[-20:]
+        line = line.rstrip().split("\r")[-1]
+        if not line:
+            continue
+        tail = (tail + [line])[-20:]
+        # Progress bars redraw many times a second: pass one on every few seconds.
+        if "%|" in line:
+            if time.monotonic() - last_progress < PROGRESS_EVERY_S:
+                continue
+            last_progress = time.monotonic()
+        log.info("[%s] %s", stage, line)
     if proc.wait() != 0:
         raise RuntimeError(f"stage '{stage}' failed (exit {proc.returncode}):\n" + "\n".join(tail))
 

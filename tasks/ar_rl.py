@@ -25,8 +25,8 @@ from gr2model.data import load_prepared
 from gr2model.rerank_eval import prompts_of, rerank_examples
 from gr2model.rerank_format import FormatConfig, ItemText, parse_response
 from gr2model.rewards import RewardConfig, rerank_reward
-from tasks.common import StageConfig, atomic_dir, load_stage_config, stage_main, timed, write_json_atomic
-from tasks.tracking import StageTracker, stage_run
+from tasks.common import StageConfig, atomic_dir, stage_main, timed
+from tasks.tracking import StageTracker
 
 STAGE = "ar_rl"
 PREPARED = Path("data/prepared")
@@ -113,15 +113,7 @@ def run(cfg: ArRlConfig, root: Path, log: logging.Logger, tracker: StageTracker)
 
 
 def main() -> None:
-    def body(log: logging.Logger) -> None:
-        cfg = load_stage_config(STAGE, CONFIG)
-        root = Path.cwd()
-        with stage_run(STAGE, cfg.model_dump()) as tracker:
-            metrics = run(cfg, root, log, tracker)
-            write_json_atomic(metrics, root / METRICS)
-            tracker.log_metrics(metrics)
-
-    stage_main(STAGE, body)
+    stage_main(STAGE, CONFIG, run, METRICS)
 
 
 if __name__ == "__main__":

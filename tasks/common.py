@@ -14,7 +14,7 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
@@ -145,13 +145,23 @@ def timed(log: logging.Logger, what: str, into: dict[str, float] | None = None, 
         into[key] = round(seconds, 2)
 
 
-def stage_main(stage: str, body) -> None:
-    """Run a stage's body, turning expected input errors into a one-line message and exit code 2."""
+def stage_main(stage: str, config_cls: type[C], run: Callable[..., dict[str, Any]], metrics_path: Path) -> None:
+    """The `main()` of every stage: typed params in, one MLflow run, `metrics/<stage>.json` out.
+
+    `run(cfg, root, log, tracker)` does the work and returns the metrics. Expected
+    input errors (bad data, bad params) end with a one-line message and exit code 2.
+    """
     from gr2model.data import DataError
+    from tasks.tracking import stage_run
 
     log = setup_logging(stage)
     try:
-        body(log)
+        cfg = load_stage_config(stage, config_cls)
+        root = Path.cwd()
+        with stage_run(stage, cfg.model_dump()) as tracker:
+            metrics = run(cfg, root, log, tracker)
+            write_json_atomic(metrics, root / metrics_path)
+            tracker.log_metrics(metrics)
     except (DataError, ParamsError) as exc:
         log.error("%s", exc)
         sys.exit(2)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 from pathlib import Path
 from typing import Any
 
@@ -27,8 +26,8 @@ from gr2model.data import load_prepared
 from gr2model.rerank_eval import fixed_rankings, lm_rerank, random_rankings, rerank_examples
 from gr2model.rerank_format import RERANK_METRIC_NAMES, FormatConfig, ItemText, rerank_metrics
 from gr2model.teacher import ExpertTeacher
-from tasks.common import StageConfig, load_stage_config, stage_main, timed, write_json_atomic, write_text_atomic
-from tasks.tracking import StageTracker, stage_run
+from tasks.common import StageConfig, stage_main, timed, write_text_atomic
+from tasks.tracking import StageTracker
 
 STAGE = "evaluate"
 PREPARED = Path("data/prepared")
@@ -72,7 +71,8 @@ def markdown_table(results: dict[str, dict[str, dict[str, float]]], split: str) 
 
 
 def run(cfg: EvaluateConfig, root: Path, log: logging.Logger, tracker: StageTracker) -> dict[str, Any]:
-    """Evaluate every baseline and existing checkpoint; returns `{model: {split: metrics}}`."""
+    """Evaluate every baseline and existing checkpoint; writes the report, returns `{model: {split: metrics}}`."""
+    torch.manual_seed(cfg.seed)
     timings: dict[str, float] = {}
     ds, split = load_prepared(root / PREPARED)
     items = ItemText(ds.items)
@@ -108,26 +108,15 @@ def run(cfg: EvaluateConfig, root: Path, log: logging.Logger, tracker: StageTrac
             results[model_name][name] = m
             log.info("%s %s: %s", model_name, name, {k: round(v, 4) for k, v in m.items()})
         del model
-    return {"results": results, "timings": timings}
+    report = "\n\n".join(f"## {s}\n\n{markdown_table(results, s)}" for s in cfg.splits)
+    write_text_atomic(f"# Re-ranking evaluation\n\n{report}\n", root / REPORT)
+    tracker.log_artifact(root / REPORT)
+    tracker.log_metrics(timings)
+    return results
 
 
 def main() -> None:
-    def body(log: logging.Logger) -> None:
-        torch.manual_seed(0)
-        cfg = load_stage_config(STAGE, CONFIG)
-        root = Path.cwd()
-        start = time.perf_counter()
-        with stage_run(STAGE, cfg.model_dump()) as tracker:
-            out = run(cfg, root, log, tracker)
-            results = out["results"]
-            write_json_atomic(results, root / METRICS)
-            report = "\n\n".join(f"## {s}\n\n{markdown_table(results, s)}" for s in cfg.splits)
-            write_text_atomic(f"# Re-ranking evaluation\n\n{report}\n", root / REPORT)
-            tracker.log_metrics(results)
-            tracker.log_metrics({**out["timings"], "seconds": time.perf_counter() - start})
-            tracker.log_artifact(root / REPORT)
-
-    stage_main(STAGE, body)
+    stage_main(STAGE, CONFIG, run, METRICS)
 
 
 if __name__ == "__main__":

@@ -29,8 +29,8 @@ from gr2model.data import (
     save_prepared,
 )
 from gr2model.semantic_ids import build_semantic_ids, prefix_unique_share
-from tasks.common import StageConfig, load_stage_config, stage_main, timed, write_json_atomic
-from tasks.tracking import stage_run
+from tasks.common import StageConfig, stage_main, timed
+from tasks.tracking import StageTracker
 
 STAGE = "prepare"
 OUT_DIR = Path("data/prepared")
@@ -106,7 +106,7 @@ def add_semantic_ids(ds: Dataset, split: pl.DataFrame, cfg: SidBuilderConfig) ->
     return Dataset(ds.sequences, items, ds.user_keys, ds.item_keys), stats
 
 
-def run(cfg: PrepareConfig, root: Path, log: logging.Logger) -> dict[str, Any]:
+def run(cfg: PrepareConfig, root: Path, log: logging.Logger, tracker: StageTracker) -> dict[str, Any]:
     """Load, split, build ids if needed, write `data/prepared/`; returns the stage metrics."""
     timings: dict[str, float] = {}
     start = time.perf_counter()
@@ -136,20 +136,12 @@ def run(cfg: PrepareConfig, root: Path, log: logging.Logger) -> dict[str, Any]:
         "seconds": round(time.perf_counter() - start, 2),
     }
     log.info("prepared %d users, %d items, %d interactions", metrics["users"], metrics["items"], metrics["interactions"])
+    tracker.set_tags({"format": fmt, "sid_source": metrics["sid_source"]})
     return metrics
 
 
 def main() -> None:
-    def body(log: logging.Logger) -> None:
-        cfg = load_stage_config(STAGE, CONFIG)
-        root = Path.cwd()
-        with stage_run(STAGE, cfg.model_dump()) as tracker:
-            metrics = run(cfg, root, log)
-            write_json_atomic(metrics, root / METRICS)
-            tracker.log_metrics(metrics)
-            tracker.set_tags({"format": metrics["format"], "sid_source": metrics["sid_source"]})
-
-    stage_main(STAGE, body)
+    stage_main(STAGE, CONFIG, run, METRICS)
 
 
 if __name__ == "__main__":

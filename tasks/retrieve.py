@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -34,8 +33,8 @@ from gr2model.data import load_prepared
 from gr2model.retriever import RetrieverSpec, save_retriever
 from gr2model.sasrec import SASRecConfig, SASRecScorer, SASRecTrainConfig, train_sasrec
 from gr2model.scoring import Scorer, evaluate_full_ranking
-from tasks.common import StageConfig, atomic_dir, load_stage_config, stage_main, timed, write_json_atomic
-from tasks.tracking import StageTracker, stage_run
+from tasks.common import StageConfig, atomic_dir, stage_main, timed
+from tasks.tracking import StageTracker
 
 STAGE = "retrieve"
 PREPARED = Path("data/prepared")
@@ -198,17 +197,7 @@ def run(cfg: RetrieveConfig, root: Path, log: logging.Logger, tracker: StageTrac
 
 
 def main() -> None:
-    def body(log: logging.Logger) -> None:
-        torch.set_num_threads(max(1, torch.get_num_threads()))
-        cfg = load_stage_config(STAGE, CONFIG)
-        root = Path.cwd()
-        with stage_run(STAGE, cfg.model_dump()) as tracker:
-            metrics = run(cfg, root, log, tracker)
-            write_json_atomic(metrics, root / METRICS)
-            tracker.log_metrics({k: v for k, v in metrics.items() if k != "prerank"})
-            tracker.log_metrics({"prerank.transition_weight": metrics["prerank"]["transition_weight"], "prerank.sasrec_best_epoch": metrics["prerank"]["sasrec_best_epoch"]})
-
-    stage_main(STAGE, body)
+    stage_main(STAGE, CONFIG, run, METRICS)
 
 
 if __name__ == "__main__":

@@ -27,8 +27,8 @@ from gr2model.data import load_prepared
 from gr2model.sft import SFTConfig, train_sft
 from gr2model.teacher import TRACE_WORDS
 from gr2model.tokenizer import build_tokenizer, extend_pretrained_tokenizer, special_ids
-from tasks.common import StageConfig, atomic_dir, load_stage_config, stage_main, timed, write_json_atomic
-from tasks.tracking import StageTracker, stage_run
+from tasks.common import StageConfig, atomic_dir, stage_main, timed
+from tasks.tracking import StageTracker
 
 STAGE = "sft"
 PREPARED = Path("data/prepared")
@@ -123,15 +123,7 @@ def run(cfg: SftStageConfig, root: Path, log: logging.Logger, tracker: StageTrac
 
 
 def main() -> None:
-    def body(log: logging.Logger) -> None:
-        cfg = load_stage_config(STAGE, CONFIG)
-        root = Path.cwd()
-        with stage_run(STAGE, cfg.model_dump()) as tracker:
-            metrics = run(cfg, root, log, tracker)
-            write_json_atomic(metrics, root / METRICS)
-            tracker.log_metrics(metrics)
-
-    stage_main(STAGE, body)
+    stage_main(STAGE, CONFIG, run, METRICS)
 
 
 if __name__ == "__main__":

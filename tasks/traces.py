@@ -26,8 +26,8 @@ from gr2model.candidates import rerank_metrics, write_parquet_atomic
 from gr2model.data import load_prepared
 from gr2model.rerank_format import FormatConfig, ItemText
 from gr2model.teacher import ExpertTeacher, TeacherConfig, generate_traces, teacher_accuracy
-from tasks.common import StageConfig, atomic_dir, load_stage_config, stage_main, timed, write_json_atomic
-from tasks.tracking import StageTracker, stage_run
+from tasks.common import StageConfig, atomic_dir, stage_main, timed
+from tasks.tracking import StageTracker
 
 STAGE = "traces"
 PREPARED = Path("data/prepared")
@@ -116,15 +116,7 @@ def load_format(root: Path) -> FormatConfig:
 
 
 def main() -> None:
-    def body(log: logging.Logger) -> None:
-        cfg = load_stage_config(STAGE, CONFIG)
-        root = Path.cwd()
-        with stage_run(STAGE, cfg.model_dump()) as tracker:
-            metrics = run(cfg, root, log, tracker)
-            write_json_atomic(metrics, root / METRICS)
-            tracker.log_metrics(metrics)
-
-    stage_main(STAGE, body)
+    stage_main(STAGE, CONFIG, run, METRICS)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import polars as pl
-import torch
 
 from gr2model.candidates import write_parquet_atomic
 from gr2model.checkpoint import load_hf_checkpoint
@@ -23,8 +22,8 @@ from gr2model.data import load_prepared
 from gr2model.rerank_eval import lm_rerank
 from gr2model.rerank_format import FormatConfig, ItemText, rerank_metrics
 from tasks.ar_rl import training_prompts
-from tasks.common import StageConfig, atomic_dir, load_stage_config, stage_main, timed, write_json_atomic
-from tasks.tracking import StageTracker, stage_run
+from tasks.common import StageConfig, atomic_dir, stage_main, timed
+from tasks.tracking import StageTracker
 
 STAGE = "trajectories"
 PREPARED = Path("data/prepared")
@@ -73,16 +72,7 @@ def run(cfg: TrajectoriesConfig, root: Path, log: logging.Logger, tracker: Stage
 
 
 def main() -> None:
-    def body(log: logging.Logger) -> None:
-        torch.manual_seed(0)
-        cfg = load_stage_config(STAGE, CONFIG)
-        root = Path.cwd()
-        with stage_run(STAGE, cfg.model_dump()) as tracker:
-            metrics = run(cfg, root, log, tracker)
-            write_json_atomic(metrics, root / METRICS)
-            tracker.log_metrics(metrics)
-
-    stage_main(STAGE, body)
+    stage_main(STAGE, CONFIG, run, METRICS)
 
 
 if __name__ == "__main__":

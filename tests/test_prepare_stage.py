@@ -12,9 +12,11 @@ import polars as pl
 import pytest
 
 from gr2model.data import load_prepared
+from tasks.tracking import StageTracker
 from tasks.prepare import METRICS, OUT_DIR, PrepareConfig, SidBuilderConfig, main, run
 
 LOG = logging.getLogger("test")
+NO_TRACKING = StageTracker(None)
 
 
 def write_raw_category(folder: Path, category: str = "Toys", users: int = 60, items: int = 40, seed: int = 0) -> None:
@@ -33,7 +35,7 @@ def write_raw_category(folder: Path, category: str = "Toys", users: int = 60, it
 def test_raw_category_runs_through_with_built_ids(tmp_path: Path) -> None:
     write_raw_category(tmp_path / "raw")
     cfg = PrepareConfig(data_dir="raw", kcore=3, sid_builder=SidBuilderConfig(dim=8, codebook_size=4))
-    metrics = run(cfg, tmp_path, LOG)
+    metrics = run(cfg, tmp_path, LOG, NO_TRACKING)
     assert metrics["format"] == "raw"
     assert metrics["sid_source"] == "built"
     assert metrics["sid_unique_share"] == 1.0
@@ -68,11 +70,11 @@ def test_missing_data_dir_says_how_to_get_data(tmp_path: Path) -> None:
     from gr2model.data import DataError
 
     with pytest.raises(DataError, match="gr2 data download"):
-        run(PrepareConfig(data_dir="nowhere"), tmp_path, LOG)
+        run(PrepareConfig(data_dir="nowhere"), tmp_path, LOG, NO_TRACKING)
 
 
 def test_sequence_format_subset(shared_data: Path, tmp_path: Path) -> None:
-    metrics = run(PrepareConfig(data_dir=str(shared_data), max_users=500), tmp_path, LOG)
+    metrics = run(PrepareConfig(data_dir=str(shared_data), max_users=500), tmp_path, LOG, NO_TRACKING)
     assert metrics["users"] == 500
     ds, split = load_prepared(tmp_path / OUT_DIR)
     assert split["train"].list.len().min() >= 3
