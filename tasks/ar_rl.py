@@ -10,7 +10,6 @@ an invalid answer scores -1. No KL penalty (DAPO).
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from pathlib import Path
@@ -25,6 +24,7 @@ from gr2model.data import load_prepared
 from gr2model.rerank_eval import prompts_of, rerank_examples
 from gr2model.rerank_format import FormatConfig, ItemText, parse_response
 from gr2model.rewards import RewardConfig, rerank_reward
+from tasks.traces import load_format
 from tasks.common import StageConfig, atomic_dir, stage_main, timed
 from tasks.tracking import StageTracker
 
@@ -72,7 +72,7 @@ def run(cfg: ArRlConfig, root: Path, log: logging.Logger, tracker: StageTracker)
     torch.manual_seed(cfg.seed)
     ds, _ = load_prepared(root / PREPARED)
     items = ItemText(ds.items)
-    fmt = FormatConfig(**json.loads((root / TRACES / "format.json").read_text()))
+    fmt = load_format(root)
     model, tok = load_hf_checkpoint(root / SFT_CHECKPOINT)
     examples = training_prompts(root, fmt, items, cfg.max_prompts)
     prompts = [tok(p, add_special_tokens=False)["input_ids"] for p in examples["prompt"].to_list()]

@@ -24,8 +24,9 @@ import torch
 from gr2model.checkpoint import load_hf_checkpoint
 from gr2model.data import load_prepared
 from gr2model.rerank_eval import fixed_rankings, lm_rerank, random_rankings, rerank_examples
-from gr2model.rerank_format import RERANK_METRIC_NAMES, FormatConfig, ItemText, rerank_metrics
+from gr2model.rerank_format import RERANK_METRIC_NAMES, ItemText, rerank_metrics
 from gr2model.teacher import ExpertTeacher
+from tasks.traces import load_format
 from tasks.common import StageConfig, stage_main, timed, write_text_atomic
 from tasks.tracking import StageTracker
 
@@ -76,7 +77,7 @@ def run(cfg: EvaluateConfig, root: Path, log: logging.Logger, tracker: StageTrac
     timings: dict[str, float] = {}
     ds, split = load_prepared(root / PREPARED)
     items = ItemText(ds.items)
-    fmt = FormatConfig(**json.loads((root / TRACES / "format.json").read_text()))
+    fmt = load_format(root)
     teacher_cfg = json.loads((root / TRACES / "teacher.json").read_text())
     teacher = ExpertTeacher(ds.items, split["train"].to_list(), ds.num_items)
     teacher.set_weights(teacher_cfg["weights"], teacher_cfg["evidence_weights"])

@@ -8,7 +8,6 @@ own response), so they are kept whole, with whether each is valid and correct.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from pathlib import Path
@@ -20,8 +19,9 @@ from gr2model.candidates import write_parquet_atomic
 from gr2model.checkpoint import load_hf_checkpoint
 from gr2model.data import load_prepared
 from gr2model.rerank_eval import lm_rerank
-from gr2model.rerank_format import FormatConfig, ItemText, rerank_metrics
+from gr2model.rerank_format import ItemText, rerank_metrics
 from tasks.ar_rl import training_prompts
+from tasks.traces import load_format
 from tasks.common import StageConfig, atomic_dir, stage_main, timed
 from tasks.tracking import StageTracker
 
@@ -47,7 +47,7 @@ def run(cfg: TrajectoriesConfig, root: Path, log: logging.Logger, tracker: Stage
     start = time.perf_counter()
     ds, _ = load_prepared(root / PREPARED)
     items = ItemText(ds.items)
-    fmt = FormatConfig(**json.loads((root / TRACES / "format.json").read_text()))
+    fmt = load_format(root)
     model, tok = load_hf_checkpoint(root / GR2)
     examples = training_prompts(root, fmt, items, cfg.max_examples)
     with timed(log, f"GR2 decodes {examples.height} training prompts", timings, "decode_s"):

@@ -22,10 +22,15 @@ for key, value in {
     os.environ.setdefault(key, value)
 
 
-# Tiny test models are dominated by per-op overhead: one thread is faster and
-# does not oversubscribe a 2-core CI machine (measured: 2 threads ran the AR
-# decode tests 8x slower under load).
-torch.set_num_threads(1)
+@pytest.fixture(autouse=True, scope="module")
+def _one_torch_thread():
+    """Tiny test models are dominated by per-op overhead: one thread is faster and
+    does not oversubscribe a 2-core CI machine (measured: 2 threads ran the AR
+    decode tests 8-10x slower under load). Restored after each module."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="session")

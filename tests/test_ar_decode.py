@@ -18,15 +18,6 @@ TINY = ARModelConfig(
 LENGTHS = [3, 11, 1, 7, 16]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models gain nothing from intra-op threads, and on a busy 2-core box
-    two threads spin-wait for each other (10x slower); restore afterwards."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 @pytest.fixture(scope="module")
 def model() -> torch.nn.Module:

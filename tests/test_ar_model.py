@@ -18,15 +18,6 @@ VOCAB = 40
 IDS = {"pad_id": 0, "bos_id": 1, "eos_id": 2}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models gain nothing from intra-op threads, and on a busy 2-core box
-    two threads spin-wait for each other (10x slower); restore afterwards."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 def _logits(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
     with torch.no_grad():

@@ -22,15 +22,6 @@ TINY = ARModelConfig(
 )
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # Tiny matrices gain nothing from a second thread, and on a busy 2-core
-    # machine two threads per process make these tests ~10x slower.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 @pytest.fixture(scope="module")
 def tok():

@@ -39,15 +39,6 @@ TINY = ARModelConfig(
 WORDS = ["because", "first", "likes"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # Tiny matrices gain nothing from a second thread, and on a busy 2-core
-    # machine two threads per process make these tests ~10x slower.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 def items_table() -> pl.DataFrame:
     ids = [1, 2, 3, 4]
