@@ -1,0 +1,511 @@
+"""Batched block-diffusion decoding with a block KV cache (threshold-parallel commits).
+
+`diffusion_generate` writes each row's response one block of B tokens at a
+time (the conventions of `gr2model.block_diffusion`). A block starts as B mask
+tokens; every model forward proposes a token for each masked position and
+commits every position whose confidence reaches `threshold`, plus the single
+most confident one, so each forward commits at least one token per row.
+
+One forward per step, and only the active block is recomputed:
+- the prompt and every finished block live in a KV cache;
+- the first forward is the prefill: the prompt followed by block 0's B mask
+  tokens. Only the prompt's keys/values are kept; its last position's logits
+  predict block 0's position 0 (token shift) and are kept for the whole block;
+  the mask tokens' logits are the block's first denoising step;
+- while a block is unfinished, a forward runs over its B tokens alone (they
+  attend the cache and each other), and its keys/values are dropped after;
+- the forward after a row finishes its block carries that block (attending the
+  cache and itself) followed by the next block's B mask tokens (attending the
+  cache, the finished block and themselves): the finished block's keys/values
+  are kept, its last logits predict the next block's position 0, and the mask
+  tokens' logits are the next block's first step. So no forward is spent on
+  writing a finished block, and with B = 1 the loop is exactly AR decoding.
+Every row moves at its own pace: a row that finishes a block starts the next
+one while the others keep denoising. The cache is therefore ragged: each row
+writes its finished blocks after its own last column, and the attention mask
+is built from each slot's position id and validity rather than its column.
+Rows that commit eos (with every position before it committed) or reach
+`max_new_tokens` leave the batch, cache included.
+
+Measured (CPU, 1 thread, on the 2-core machine shared with a training job, so
+noisy; medians of 5 interleaved runs; /tmp bench script): see `SPEED` below.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedModel
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from gr2model.ar_decode import DecodeOutput, _left_pad_positions, left_pad
+from gr2model.block_diffusion import block_diffusion_mask
+
+__all__ = ["DiffusionDecodeOutput", "commit_mask", "propose", "diffusion_generate"]
+
+
+@dataclass
+class DiffusionDecodeOutput(DecodeOutput):
+    """What `diffusion_generate` produced (the fields of `DecodeOutput`, plus the trace).
+
+    Attributes:
+        steps: with `return_trace`, per row and aligned with `sequences`, the
+            index of the forward (0 = the prefill) whose logits committed each
+            token. The token was committed given exactly the tokens of its row
+            committed at smaller step indices (the others were mask tokens), so
+            the RL stage can replay every step.
+    """
+
+    steps: list[list[int]] | None = None
+
+    @property
+    def tokens_per_forward(self) -> float:
+        return self.generated_tokens / self.nfe if self.nfe > 0 else 0.0
+
+
+def commit_mask(confidence: torch.Tensor, still_masked: torch.Tensor, threshold: float) -> torch.Tensor:
+    """Which masked positions to commit this step.
+
+    Every masked position whose confidence is >= threshold, plus the most
+    confident masked position of each row (the first one on ties), so that a
+    row with a masked position always makes progress. Committed positions are
+    never chosen again.
+
+    Args:
+        confidence: (N, B) float, the probability of each position's proposal.
+        still_masked: (N, B) bool, True where the position is still a mask
+            token and may be committed.
+        threshold: the confidence needed to commit beyond the forced one; > 1
+            commits exactly one position per step, <= 0 every masked position.
+    Returns:
+        (N, B) bool, a subset of `still_masked`; a row with any masked position
+        gets at least one True.
+    """
+    masked_conf = confidence.masked_fill(~still_masked, float("-inf"))
+    best = masked_conf.argmax(dim=-1, keepdim=True)
+    forced = torch.zeros_like(still_masked).scatter_(-1, best, True) & still_masked
+    return (still_masked & (confidence >= threshold)) | forced
+
+
+def propose(
+    logits: torch.Tensor, temperature: float, generator: torch.Generator | None, banned_id: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A token and its confidence for every position, from (N, n, V) logits.
+
+    Temperature 0 takes the argmax, with confidence softmax(logits) of it;
+    temperature > 0 samples from softmax(logits / temperature), with confidence
+    the sampled token's probability under that distribution. `banned_id` (the
+    mask token) is never proposed: committing it would leave a "mask" that is
+    not one. The logits are modified in place (their `banned_id` column).
+
+    Returns:
+        tokens: (N, n) long.
+        confidence: (N, n) float32.
+    """
+    if banned_id is not None:
+        logits[..., banned_id] = float("-inf")
+    logits = logits.float()
+    if temperature <= 0.0:
+        best, tokens = logits.max(dim=-1)
+        # max softmax probability = exp(max - logsumexp), without the full softmax.
+        return tokens, torch.exp(best - torch.logsumexp(logits, dim=-1))
+    probs = torch.softmax(logits / temperature, dim=-1)
+    flat = probs.reshape(-1, probs.shape[-1])
+    tokens = torch.multinomial(flat, 1, generator=generator).view(probs.shape[:-1])
+    return tokens, probs.gather(-1, tokens[..., None]).squeeze(-1)
+
+
+class _WritePlan:
+    """Where the current forward writes its keys/values, shared by all cache layers.
+
+    `start` set: every row writes its q new slots at columns [start, start + q)
+    (a slice copy). Otherwise `columns` (N, q) gives each row's columns (a
+    scatter). `width`: the layers return columns [0, width) for attention.
+    """
+
+    def __init__(self) -> None:
+        self.start: int | None = 0
+        self.columns: torch.Tensor | None = None
+        self.width = 0
+
+
+class _RaggedLayer(CacheLayerMixin):
+    """One layer's keys and values in (N, H, max_len, D) buffers, written where the plan says.
+
+    Unlike `ar_decode._PreallocatedLayer` the rows may write at different
+    columns (each row's finished blocks go after its own last column), and
+    nothing is appended implicitly: what a forward wrote past the kept length
+    (the active block) is simply overwritten by the next forward.
+    """
+
+    is_sliding = False
+
+    def __init__(self, max_len: int, plan: _WritePlan) -> None:
+        super().__init__()
+        self.max_len = max_len
+        self.plan = plan
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        batch, heads, _, _ = key_states.shape
+        self.device = key_states.device
+        self._k = key_states.new_zeros((batch, heads, self.max_len, key_states.shape[-1]))
+        self._v = value_states.new_zeros((batch, heads, self.max_len, value_states.shape[-1]))
+        self.is_initialized = True
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object, **kwargs: object
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        plan = self.plan
+        if plan.start is not None:
+            end = plan.start + key_states.shape[-2]
+            self._k[:, :, plan.start : end] = key_states
+            self._v[:, :, plan.start : end] = value_states
+        else:
+            assert plan.columns is not None
+            index = plan.columns[:, None, :, None].expand(-1, key_states.shape[1], -1, key_states.shape[-1])
+            self._k.scatter_(2, index, key_states)
+            self._v.scatter_(2, index, value_states)
+        self.keys = self._k[:, :, : plan.width]
+        self.values = self._v[:, :, : plan.width]
+        return self.keys, self.values
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.plan.width, 0
+
+    def get_seq_length(self) -> int:
+        return self.plan.width
+
+    def get_max_length(self) -> int:
+        return self.max_len
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self.is_initialized:
+            self._k = self._k[indices]
+            self._v = self._v[indices]
+
+
+class _CachedForward:
+    """The logits of each step with the ragged block KV cache (see the module docstring).
+
+    Per row it keeps `kept[r]`, the number of cache columns holding its prompt
+    (left-padded to the common width) and finished blocks; the slots' position
+    ids and validity live in (N, max_len) buffers next to the cache.
+    """
+
+    def __init__(
+        self, model: PreTrainedModel, ids: torch.Tensor, attn: torch.Tensor, block_size: int, span: int, mask_id: int
+    ) -> None:
+        self.model = model
+        self.ids, self.attn = ids, attn.bool()
+        self.prompt_pos = _left_pad_positions(attn)
+        rows, self.prompt_len = ids.shape
+        device = ids.device
+        self.block_size, self.mask_id = block_size, mask_id
+        # With B = 1 the next block's mask token would only be a key for itself:
+        # leave it out, and the loop is exactly AR decoding.
+        self.n_act = block_size if block_size > 1 else 0
+        # Largest column ever written: kept <= prompt + span - B, plus 2B slots.
+        max_len = self.prompt_len + span + block_size
+        self.plan = _WritePlan()
+        self.cache = Cache(
+            layers=[_RaggedLayer(max_len, self.plan) for _ in range(model.config.num_hidden_layers)]
+        )
+        self.slot_pos = torch.zeros((rows, max_len), dtype=torch.long, device=device)
+        self.slot_valid = torch.zeros((rows, max_len), dtype=torch.bool, device=device)
+        self.kept = [self.prompt_len] * rows
+        self.kept_t = torch.full((rows,), self.prompt_len, dtype=torch.long, device=device)
+        self.first: torch.Tensor | None = None  # (N, V) logits predicting each active block's position 0
+        self.arange_b = torch.arange(block_size, device=device)
+        self.keep_prefill = torch.arange(self.prompt_len - 1, self.prompt_len - 1 + block_size, device=device)
+        self.keep_ctx = torch.arange(block_size - 1, 2 * block_size - 1, device=device)
+        self.keep_denoise = torch.arange(0, block_size - 1, device=device)
+
+    def select(self, alive: torch.Tensor, alive_list: list[int]) -> None:
+        self.cache.batch_select_indices(alive)
+        self.slot_pos, self.slot_valid = self.slot_pos[alive], self.slot_valid[alive]
+        self.kept = [self.kept[i] for i in alive_list]
+        self.kept_t = self.kept_t[alive]
+        self.ids, self.attn, self.prompt_pos = self.ids[alive], self.attn[alive], self.prompt_pos[alive]
+        if self.first is not None:
+            self.first = self.first[alive]
+
+    def _run(self, input_ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        out = self.model(
+            input_ids=input_ids, attention_mask=mask, position_ids=pos, cache=self.cache, use_cache=True,
+            logits_to_keep=keep,
+        )
+        return out.logits
+
+    def __call__(
+        self, resp: torch.Tensor, start: torch.Tensor, plen: torch.Tensor, ctx: torch.Tensor | None,
+        ctx_list: list[bool] | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(first (N, V), rest (N, B-1, V)): the logits predicting each active block's positions.
+
+        ctx: None for the prefill; else (N,) bool, the rows whose block just
+        finished (`start` already points at their next block), or all False.
+        """
+        bsz, n_act = self.block_size, self.n_act
+        rows = resp.shape[0]
+        plan = self.plan
+        ar = self.arange_b
+        if ctx is None:
+            # Prefill: the prompt, then block 0's mask tokens.
+            masks = torch.full((rows, n_act), self.mask_id, dtype=torch.long, device=resp.device)
+            input_ids = torch.cat([self.ids, masks], dim=1)
+            pos = torch.cat([self.prompt_pos, plen[:, None] + ar[:n_act]], dim=1)
+            valid = torch.cat([self.attn, torch.ones_like(masks, dtype=torch.bool)], dim=1)
+            width = input_ids.shape[1]
+            cols = torch.arange(width, device=resp.device).expand(rows, -1)
+            self.slot_pos[:, :width] = pos
+            self.slot_valid[:, :width] = valid
+            plan.start, plan.columns, plan.width = 0, None, width
+            mask = block_diffusion_mask(pos, valid, cols, pos, valid, plen, bsz)
+            logits = self._run(input_ids, mask, pos, self.keep_prefill)
+            self.first = logits[:, 0]
+            return self.first, logits[:, 1:]
+
+        assert ctx_list is not None
+        kept = self.kept_t[:, None]
+        act_cols = start[:, None] + ar
+        act_tok = resp.gather(1, act_cols)
+        act_pos = plen[:, None] + act_cols
+        if not any(ctx_list):
+            # Denoising step: the active blocks alone, rewritten at each row's
+            # columns [kept, kept + B). Their slots' positions and validity were
+            # written when the block started and have not changed; every active
+            # query sees every valid slot (the cache is all before it, its block
+            # is bidirectional), so the mask is the validity row itself.
+            width = max(self.kept) + bsz
+            if min(self.kept) == max(self.kept):
+                plan.start, plan.columns = self.kept[0], None
+            else:
+                plan.start, plan.columns = None, kept + ar
+            plan.width = width
+            mask = self.slot_valid[:, None, None, :width]
+            logits = self._run(act_tok, mask, act_pos, self.keep_denoise)
+            assert self.first is not None
+            return self.first, logits
+
+        # A forward carrying the just-finished blocks (rows with ctx) and the
+        # active blocks. A row without a finished block puts an invalid dummy
+        # block in the ctx slots, written after its active block.
+        ctx_start = (start - bsz).clamp(min=0)[:, None] + ar
+        ctx_tok = resp.gather(1, ctx_start)
+        ctx_pos = plen[:, None] + ctx_start
+        ctx_col = ctx[:, None]
+        ctx_cols = kept + torch.where(ctx_col, ar, ar + n_act)
+        input_ids = torch.cat([ctx_tok, act_tok[:, :n_act]], dim=1)
+        pos = torch.cat([ctx_pos, act_pos[:, :n_act]], dim=1)
+        valid = torch.cat([ctx_col.expand(-1, bsz), torch.ones((rows, n_act), dtype=torch.bool, device=resp.device)], 1)
+        cols = torch.cat([ctx_cols, (kept + torch.where(ctx_col, ar + bsz, ar))[:, :n_act]], dim=1)
+        width = max(self.kept) + bsz + n_act
+        if all(ctx_list) and min(self.kept) == max(self.kept):
+            start0 = self.kept[0]
+            plan.start, plan.columns = start0, None
+            self.slot_pos[:, start0 : start0 + bsz + n_act] = pos
+            self.slot_valid[:, start0 : start0 + bsz + n_act] = valid
+        else:
+            plan.start, plan.columns = None, cols
+            self.slot_pos.scatter_(1, cols, pos)
+            self.slot_valid.scatter_(1, cols, valid)
+        plan.width = width
+        mask = block_diffusion_mask(pos, valid, cols, self.slot_pos[:, :width], self.slot_valid[:, :width], plen, bsz)
+        logits = self._run(input_ids, mask, pos, self.keep_ctx)
+        assert self.first is not None
+        self.first = torch.where(ctx_col, logits[:, 0], self.first)
+        # The finished blocks stay in the cache; the active ones will be rewritten.
+        self.kept = [k + bsz if c else k for k, c in zip(self.kept, ctx_list)]
+        self.kept_t = self.kept_t + bsz * ctx.long()
+        return self.first, logits[:, 1:]
+
+
+class _RecomputeForward:
+    """The logits of each step from a full forward over prompt + finished blocks + active block.
+
+    No cache: the reference that the cached path is tested against. Each row is
+    its left-padded prompt followed by its response up to the end of its active
+    block, right-padded to the longest; the full block-causal mask applies.
+    """
+
+    def __init__(self, model: PreTrainedModel, ids: torch.Tensor, attn: torch.Tensor, block_size: int) -> None:
+        self.model = model
+        self.ids, self.attn = ids, attn.bool()
+        self.prompt_pos = _left_pad_positions(attn)
+        self.block_size = block_size
+
+    def select(self, alive: torch.Tensor, alive_list: list[int]) -> None:
+        self.ids, self.attn, self.prompt_pos = self.ids[alive], self.attn[alive], self.prompt_pos[alive]
+
+    def __call__(
+        self, resp: torch.Tensor, start: torch.Tensor, plen: torch.Tensor, ctx: torch.Tensor | None,
+        ctx_list: list[bool] | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        bsz = self.block_size
+        rows, prompt_len = self.ids.shape
+        span = int(start.max()) + bsz
+        idx = torch.arange(span, device=resp.device)
+        input_ids = torch.cat([self.ids, resp[:, :span]], dim=1)
+        valid = torch.cat([self.attn, idx[None, :] < (start[:, None] + bsz)], dim=1)
+        pos = torch.cat([self.prompt_pos, plen[:, None] + idx], dim=1)
+        cols = torch.arange(input_ids.shape[1], device=resp.device).expand(rows, -1)
+        mask = block_diffusion_mask(pos, valid, cols, pos, valid, plen, bsz)
+        # Token shift: block position i is predicted at column prompt_len + start + i - 1.
+        keep = prompt_len - 1 + start[:, None] + torch.arange(bsz, device=resp.device)
+        logits = self.model(
+            input_ids=input_ids, attention_mask=mask, position_ids=pos, use_cache=False, logits_to_keep=keep
+        ).logits
+        return logits[:, 0], logits[:, 1:]
+
+
+@torch.inference_mode()
+def diffusion_generate(
+    model: PreTrainedModel,
+    prompts: Sequence[Sequence[int]],
+    *,
+    pad_id: int,
+    eos_id: int,
+    mask_id: int,
+    block_size: int,
+    threshold: float,
+    max_new_tokens: int,
+    use_cache: bool = True,
+    temperature: float = 0.0,
+    generator: torch.Generator | None = None,
+    return_trace: bool = False,
+) -> DiffusionDecodeOutput:
+    """Decode up to `max_new_tokens` tokens after each prompt by block diffusion, batched.
+
+    Each step proposes a token for every masked position of each row's active
+    block (`propose`) and commits those chosen by `commit_mask`. Positions after
+    a committed eos are no longer proposed (they would be cut). A row finishes
+    when it has committed an eos and every position before it (the sequence is
+    cut after that first eos), or all of its first `max_new_tokens` positions;
+    the last block keeps its B slots (mask tokens past the limit stay masked).
+
+    Args:
+        model: a block-diffusion model (`convert_to_block_diffusion`, or any
+            causal LM: the mask is passed explicitly), in eval mode; its
+            forward takes a 4D boolean attention mask and position ids.
+        prompts: N token id lists, any lengths >= 1.
+        pad_id, eos_id, mask_id: the tokenizer's ids (mask_id is never committed).
+        block_size: B >= 1; B = 1 is AR decoding (one token per forward).
+        threshold: commit every masked position whose confidence is >= this,
+            besides the most confident one: > 1 commits one token per forward,
+            <= 0 a whole block per forward.
+        max_new_tokens: the most response tokens per row.
+        use_cache: False recomputes prompt + response on every step (slow; the
+            reference for the cached path: same tokens, same NFE).
+        temperature: 0 proposes the argmax; > 0 samples from
+            softmax(logits / temperature), using `generator`.
+        return_trace: also return each token's commit step (`steps`).
+    Returns:
+        DiffusionDecodeOutput: sequences, nfe (every forward, the prefill
+        included), generated_tokens, seconds, steps with return_trace.
+    """
+    start_time = time.perf_counter()
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    device = next(model.parameters()).device
+    ids, attn = left_pad(prompts, pad_id, device)
+    batch = ids.shape[0]
+    if max_new_tokens <= 0:
+        empty: list[list[int]] = [[] for _ in range(batch)]
+        steps0 = [[] for _ in range(batch)] if return_trace else None
+        return DiffusionDecodeOutput(empty, 0, 0, time.perf_counter() - start_time, steps=steps0)
+    bsz = block_size
+    span = math.ceil(max_new_tokens / bsz) * bsz
+
+    forward: _CachedForward | _RecomputeForward
+    if use_cache:
+        forward = _CachedForward(model, ids, attn, bsz, span, mask_id)
+    else:
+        forward = _RecomputeForward(model, ids, attn, bsz)
+    # Per active row: the response so far (mask_id where not committed), the
+    # step that committed each position (-1: not yet), the active block's first
+    # response index, the prompt length.
+    resp = torch.full((batch, span), mask_id, dtype=torch.long, device=device)
+    step_of = torch.full((batch, span), -1, dtype=torch.long, device=device)
+    start = torch.zeros(batch, dtype=torch.long, device=device)
+    plen = attn.sum(-1)
+    rows = torch.arange(batch, device=device)  # original index of each active row
+    out_tokens = torch.full((batch, span), pad_id, dtype=torch.long, device=device)
+    out_steps = torch.full((batch, span), -1, dtype=torch.long, device=device)
+    lengths = [0] * batch
+    ar = torch.arange(bsz, device=device)
+
+    ctx: torch.Tensor | None = None  # None: the next forward is the prefill
+    ctx_list: list[bool] | None = None
+    nfe = 0
+    while True:
+        first, rest = forward(resp, start, plen, ctx, ctx_list)
+        step = nfe
+        nfe += 1
+        # Same calls in the same order on both paths, so sampling draws alike.
+        tok0, conf0 = propose(first[:, None], temperature, generator, mask_id)
+        if bsz > 1:
+            tok1, conf1 = propose(rest, temperature, generator, mask_id)
+            tokens, conf = torch.cat([tok0, tok1], dim=1), torch.cat([conf0, conf1], dim=1)
+        else:
+            tokens, conf = tok0, conf0
+
+        cols = start[:, None] + ar
+        old_tok, old_step = resp.gather(1, cols), step_of.gather(1, cols)
+        committed = old_step >= 0
+        # Earlier blocks are complete and eos-free (else the row would be done),
+        # so a committed eos can only be in the active block.
+        after_eos = (committed & (old_tok == eos_id)).cumsum(1) > 0
+        in_limit = cols < max_new_tokens
+        chosen = commit_mask(conf, ~committed & in_limit & ~after_eos, threshold)
+        new_tok = torch.where(chosen, tokens, old_tok)
+        committed = committed | chosen
+        resp.scatter_(1, cols, new_tok)
+        step_of.scatter_(1, cols, torch.where(chosen, step, old_step))
+
+        is_eos = committed & (new_tok == eos_id)
+        after_eos = is_eos.cumsum(1) > 0
+        done_eos = is_eos.any(1) & (committed | after_eos).all(1)
+        done_limit = (committed | ~in_limit).all(1) & (start + bsz >= max_new_tokens)
+        done = done_eos | done_limit
+        complete = committed.all(1) & ~done
+        length = torch.where(done_eos, start + is_eos.long().argmax(1) + 1, max_new_tokens)
+        # One device -> host transfer per step.
+        done_list, complete_list, length_list = torch.stack([done.long(), complete.long(), length]).tolist()
+
+        start = start + bsz * complete.long()
+        if any(done_list):
+            fin = done.nonzero().squeeze(-1)
+            out_tokens[rows[fin]] = resp[fin]
+            out_steps[rows[fin]] = step_of[fin]
+            for r, d, n in zip(rows.tolist(), done_list, length_list):
+                if d:
+                    lengths[r] = n
+            alive_list = [i for i, d in enumerate(done_list) if not d]
+            if not alive_list:
+                break
+            alive = torch.tensor(alive_list, dtype=torch.long, device=device)
+            resp, step_of, start, plen, rows = resp[alive], step_of[alive], start[alive], plen[alive], rows[alive]
+            complete = complete[alive]
+            complete_list = [complete_list[i] for i in alive_list]
+            forward.select(alive, alive_list)
+        ctx, ctx_list = complete, [bool(c) for c in complete_list]
+
+    tokens_all = out_tokens.tolist()
+    sequences = [tokens_all[i][: lengths[i]] for i in range(batch)]
+    steps = None
+    if return_trace:
+        steps_all = out_steps.tolist()
+        steps = [steps_all[i][: lengths[i]] for i in range(batch)]
+    return DiffusionDecodeOutput(
+        sequences=sequences,
+        nfe=nfe,
+        generated_tokens=sum(lengths),
+        seconds=time.perf_counter() - start_time,
+        steps=steps,
+    )
