@@ -27,8 +27,44 @@ is built from each slot's position id and validity rather than its column.
 Rows that commit eos (with every position before it committed) or reach
 `max_new_tokens` leave the batch, cache included.
 
-Measured (CPU, 1 thread, on the 2-core machine shared with a training job, so
-noisy; medians of 5 interleaved runs; /tmp bench script): see `SPEED` below.
+How many tokens a forward commits depends on the model's confidence, so speed
+is measured at the two ends: threshold 0 (a whole block per forward) and > 1
+(one token per forward). CPU, 1 thread, on the 2-core machine shared with a
+training job (noisy: single runs spread by +-20%), ARModelConfig defaults with
+random weights, vocab 2,000, prompts of 180-220 tokens, 200 new tokens, no eos;
+medians of 5 interleaved runs, ratio = paired median vs `ar_generate`
+(the bench script is in the commit message that added this table):
+
+    batch  setting            tok/s   NFE   x AR
+    1      ar_generate          323   200   1.00
+    1      B=1                  289   200   0.86
+    1      B=4, thr 0           755    50   2.42
+    1      B=4, thr > 1         223   200   0.73
+    1      B=8, thr 0         1,210    25   3.94
+    1      B=8, thr > 1         195   200   0.61
+    16     ar_generate        1,765   200   1.00
+    16     B=1                1,518   200   0.91
+    16     B=4, thr 0         1,995    50   1.13
+    16     B=8, thr 0         2,362    25   1.18
+    16     B=4 / B=8, thr > 1   670 / 565  0.38 / 0.29
+
+Reading it: a forward over B (or 2B) tokens per row costs 1.4-2.0x an AR step
+at batch 1 (per-op overhead dominates), so the gain there is about tokens per
+forward / 1.6-2; at batch 16, where a CPU is compute-bound, it costs 2.6x
+(B=4, B tokens) to 6.8x (B=8, 2B tokens), and the gain is small. On a GPU,
+where decoding is memory-bound, extra tokens per forward should cost little
+(not measured: no GPU in this session). B = 1 (exactly AR) costs 9-14% more
+than `ar_generate`: the explicit mask and the commit bookkeeping.
+Known costs not removed:
+- with a mask and several queries, HF's SDPA path copies the keys/values to
+  every query head (repeat_kv) on each layer and step; the process-wide
+  TRANSFORMERS_SDPA_FORCE_GQA=1 avoids it (~20% faster at batch 16, nothing
+  measurable at batch 1) but is left to the caller;
+- per-row progress means that when some rows finish a block and others do
+  not, the others carry B dead slots in that forward (2B tokens instead of B);
+  lockstep blocks would avoid that but make every row wait for the slowest;
+- the finished block is recomputed once (B tokens) so that its cached
+  keys/values are those of its final tokens: the price of being exact.
 """
 
 from __future__ import annotations
@@ -64,6 +100,7 @@ class DiffusionDecodeOutput(DecodeOutput):
 
     @property
     def tokens_per_forward(self) -> float:
+        """Generated tokens (all rows) per model forward."""
         return self.generated_tokens / self.nfe if self.nfe > 0 else 0.0
 
 
@@ -152,6 +189,8 @@ class _RaggedLayer(CacheLayerMixin):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         batch, heads, _, _ = key_states.shape
         self.device = key_states.device
+        # Zeros, not empty: never-written slots are masked out, but SDPA still
+        # multiplies their values by a zero weight, and 0 * NaN garbage is NaN.
         self._k = key_states.new_zeros((batch, heads, self.max_len, key_states.shape[-1]))
         self._v = value_states.new_zeros((batch, heads, self.max_len, value_states.shape[-1]))
         self.is_initialized = True
@@ -245,8 +284,8 @@ class _CachedForward:
     def __call__(
         self, resp: torch.Tensor, start: torch.Tensor, plen: torch.Tensor, ctx: torch.Tensor | None,
         ctx_list: list[bool] | None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(first (N, V), rest (N, B-1, V)): the logits predicting each active block's positions.
+    ) -> torch.Tensor:
+        """(N, B, V) logits predicting the N active blocks' positions (token shift applied).
 
         ctx: None for the prefill; else (N,) bool, the rows whose block just
         finished (`start` already points at their next block), or all False.
@@ -269,7 +308,7 @@ class _CachedForward:
             mask = block_diffusion_mask(pos, valid, cols, pos, valid, plen, bsz)
             logits = self._run(input_ids, mask, pos, self.keep_prefill)
             self.first = logits[:, 0]
-            return self.first, logits[:, 1:]
+            return logits
 
         assert ctx_list is not None
         kept = self.kept_t[:, None]
@@ -291,7 +330,7 @@ class _CachedForward:
             mask = self.slot_valid[:, None, None, :width]
             logits = self._run(act_tok, mask, act_pos, self.keep_denoise)
             assert self.first is not None
-            return self.first, logits
+            return torch.cat([self.first[:, None], logits], dim=1)
 
         # A forward carrying the just-finished blocks (rows with ctx) and the
         # active blocks. A row without a finished block puts an invalid dummy
@@ -306,24 +345,35 @@ class _CachedForward:
         valid = torch.cat([ctx_col.expand(-1, bsz), torch.ones((rows, n_act), dtype=torch.bool, device=resp.device)], 1)
         cols = torch.cat([ctx_cols, (kept + torch.where(ctx_col, ar + bsz, ar))[:, :n_act]], dim=1)
         width = max(self.kept) + bsz + n_act
+        plan.width = width
         if all(ctx_list) and min(self.kept) == max(self.kept):
+            # Every row finished its block and the rows are aligned (always at
+            # batch 1): slice writes, and the mask is the validity row except
+            # that the finished block's queries do not see the next block.
             start0 = self.kept[0]
             plan.start, plan.columns = start0, None
-            self.slot_pos[:, start0 : start0 + bsz + n_act] = pos
-            self.slot_valid[:, start0 : start0 + bsz + n_act] = valid
+            self.slot_pos[:, start0:width] = pos
+            self.slot_valid[:, start0:width] = valid
+            mask = self.slot_valid[:, None, None, :width].repeat(1, 1, bsz + n_act, 1)
+            mask[:, :, :bsz, start0 + bsz :] = False
+            logits = self._run(input_ids, mask, pos, self.keep_ctx)
+            self.first = logits[:, 0]
         else:
             plan.start, plan.columns = None, cols
             self.slot_pos.scatter_(1, cols, pos)
             self.slot_valid.scatter_(1, cols, valid)
-        plan.width = width
-        mask = block_diffusion_mask(pos, valid, cols, self.slot_pos[:, :width], self.slot_valid[:, :width], plen, bsz)
-        logits = self._run(input_ids, mask, pos, self.keep_ctx)
-        assert self.first is not None
-        self.first = torch.where(ctx_col, logits[:, 0], self.first)
+            mask = block_diffusion_mask(
+                pos, valid, cols, self.slot_pos[:, :width], self.slot_valid[:, :width], plen, bsz
+            )
+            logits = self._run(input_ids, mask, pos, self.keep_ctx)
+            assert self.first is not None
+            # Rows without a finished block keep their block's position-0 logits.
+            self.first = torch.where(ctx_col, logits[:, 0], self.first)
+            logits[:, 0] = self.first
         # The finished blocks stay in the cache; the active ones will be rewritten.
         self.kept = [k + bsz if c else k for k, c in zip(self.kept, ctx_list)]
         self.kept_t = self.kept_t + bsz * ctx.long()
-        return self.first, logits[:, 1:]
+        return logits
 
 
 class _RecomputeForward:
@@ -346,7 +396,7 @@ class _RecomputeForward:
     def __call__(
         self, resp: torch.Tensor, start: torch.Tensor, plen: torch.Tensor, ctx: torch.Tensor | None,
         ctx_list: list[bool] | None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> torch.Tensor:
         bsz = self.block_size
         rows, prompt_len = self.ids.shape
         span = int(start.max()) + bsz
@@ -358,10 +408,9 @@ class _RecomputeForward:
         mask = block_diffusion_mask(pos, valid, cols, pos, valid, plen, bsz)
         # Token shift: block position i is predicted at column prompt_len + start + i - 1.
         keep = prompt_len - 1 + start[:, None] + torch.arange(bsz, device=resp.device)
-        logits = self.model(
+        return self.model(
             input_ids=input_ids, attention_mask=mask, position_ids=pos, use_cache=False, logits_to_keep=keep
         ).logits
-        return logits[:, 0], logits[:, 1:]
 
 
 @torch.inference_mode()
@@ -444,16 +493,11 @@ def diffusion_generate(
     ctx_list: list[bool] | None = None
     nfe = 0
     while True:
-        first, rest = forward(resp, start, plen, ctx, ctx_list)
+        logits = forward(resp, start, plen, ctx, ctx_list)
         step = nfe
         nfe += 1
-        # Same calls in the same order on both paths, so sampling draws alike.
-        tok0, conf0 = propose(first[:, None], temperature, generator, mask_id)
-        if bsz > 1:
-            tok1, conf1 = propose(rest, temperature, generator, mask_id)
-            tokens, conf = torch.cat([tok0, tok1], dim=1), torch.cat([conf0, conf1], dim=1)
-        else:
-            tokens, conf = tok0, conf0
+        # One (N, B, V) draw per step on both paths, so sampling draws alike.
+        tokens, conf = propose(logits, temperature, generator, mask_id)
 
         cols = start[:, None] + ar
         old_tok, old_step = resp.gather(1, cols), step_of.gather(1, cols)
