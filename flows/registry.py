@@ -41,6 +41,7 @@ MODEL_STAGES: dict[str, ModelStage] = {
     "retrieve": ModelStage("retrieve", "gr2-retriever", "checkpoints/retriever"),
     "sft": ModelStage("sft", "gr2", "checkpoints/gr2-sft", _RERANKER_FILES),
     "ar_rl": ModelStage("ar_rl", "gr2", "checkpoints/gr2", _RERANKER_FILES),
+    "cft": ModelStage("cft", "diffusion-gr2", "checkpoints/dgr2-cft", _RERANKER_FILES),
 }
 
 
@@ -70,7 +71,10 @@ class RetrieverModel(mlflow.pyfunc.PythonModel):
 
 
 class GR2Model(mlflow.pyfunc.PythonModel):
-    """Serves an AR re-ranker: input `history` and `candidates` (item-id lists), output the ranking.
+    """Serves a re-ranker, AR or block diffusion: input `history` and `candidates` (item-id lists), output the ranking.
+
+    A block-diffusion checkpoint decodes with the threshold decoder at the
+    params' `tau` (default 0.9), an AR one with the KV-cache AR loop.
 
     Output columns: `ranking` (the parsed ranking, or the incoming order when the
     answer was invalid), `explanation`, `valid` (whether the raw answer was a
@@ -92,13 +96,15 @@ class GR2Model(mlflow.pyfunc.PythonModel):
     def predict(self, context: Any, model_input: pd.DataFrame, params: dict[str, Any] | None = None) -> pd.DataFrame:
         import polars as pl
 
-        from gr2model.rerank_eval import lm_rerank
+        from gr2model.rerank_eval import decoder_kwargs, lm_rerank
 
         lists = pl.DataFrame(
             {"history": [list(map(int, h)) for h in model_input["history"]], "candidates": [list(map(int, c)) for c in model_input["candidates"]]},
             schema={"history": pl.List(pl.Int64), "candidates": pl.List(pl.Int64)},
         )
-        out = lm_rerank(self.model, self.tok, lists, self.items, self.fmt, max_new_tokens=int((params or {}).get("max_new_tokens", 320)))
+        params = params or {}
+        kwargs = decoder_kwargs(self.model, float(params.get("tau", 0.9)))
+        out = lm_rerank(self.model, self.tok, lists, self.items, self.fmt, max_new_tokens=int(params.get("max_new_tokens", 320)), **kwargs)
         return pd.DataFrame(
             {
                 "ranking": [p.ranking for p in out.parsed],
@@ -109,7 +115,7 @@ class GR2Model(mlflow.pyfunc.PythonModel):
         )
 
 
-PYFUNC_CLASSES: dict[str, type[mlflow.pyfunc.PythonModel]] = {"gr2-retriever": RetrieverModel, "gr2": GR2Model}
+PYFUNC_CLASSES: dict[str, type[mlflow.pyfunc.PythonModel]] = {"gr2-retriever": RetrieverModel, "gr2": GR2Model, "diffusion-gr2": GR2Model}
 
 
 def pip_requirements() -> list[str]:

@@ -15,6 +15,8 @@ import polars as pl
 from tqdm.auto import tqdm
 
 from gr2model.ar_decode import DecodeOutput, ar_generate
+from gr2model.block_diffusion import block_diffusion_settings
+from gr2model.diffusion_decode import diffusion_generate
 from gr2model.rerank_format import FormatConfig, ItemText, ParsedResponse, build_prompt, parse_response
 from gr2model.tokenizer import special_ids
 
@@ -52,6 +54,19 @@ def random_rankings(incoming: Sequence[Sequence[int]], seed: int) -> list[list[i
     """A seeded random permutation of each candidate list (the chance baseline)."""
     rng = np.random.default_rng(seed)
     return [list(np.asarray(c)[rng.permutation(len(c))]) for c in incoming]
+
+
+def decoder_kwargs(model, threshold: float) -> dict:
+    """The `lm_rerank` keyword arguments that decode with the model's own decoder.
+
+    An AR model: {} (our KV-cache AR loop). A block-diffusion model (its config
+    has block_size and mask_token_id): the threshold decoder with its block
+    size, mask id and commit threshold `threshold`.
+    """
+    if getattr(model.config, "block_size", None) is None:
+        return {}
+    block_size, mask_id = block_diffusion_settings(model)
+    return {"decoder": diffusion_generate, "block_size": block_size, "mask_id": mask_id, "threshold": threshold}
 
 
 @dataclass

@@ -2,10 +2,18 @@
 
 Baselines: `prerank` (the incoming order), `teacher` (the expert teacher's own
 ranking, without the target), `random` (a seeded shuffle). Models: every AR
-checkpoint that exists among `MODELS`, decoded greedily with our KV-cache loop
-and judged by the shared parser (an invalid answer falls back to the incoming
-order and is counted). Writes `metrics/evaluate.json` as
-`{model: {split: {metric: value}}}` and `reports/evaluate.md`.
+checkpoint that exists among `AR_MODELS`, decoded greedily with our KV-cache
+loop; `dgr2-naive` (GR2's weights converted to block diffusion, no training)
+and every diffusion checkpoint among `DIFFUSION_MODELS`, decoded greedily by
+the threshold decoder at `tau`. All are judged by the shared parser (an invalid
+answer falls back to the incoming order and is counted). Writes
+`metrics/evaluate.json` as `{model: {split: {metric: value}}}` and
+`reports/evaluate.md`.
+
+Then the decode-speed benchmark (gr2model.bench) on the first `bench.examples`
+test examples: GR2 with both AR decoders against every diffusion model at each
+threshold and batch size, written to `metrics/speed.json` and
+`reports/speed.md` (also runnable alone: `gr2 bench decode`).
 
     python -m tasks.evaluate
 """
@@ -21,13 +29,15 @@ import numpy as np
 import polars as pl
 import torch
 
+from gr2model.bench import SPEED_FIELDS, decode_benchmark, speed_table
+from gr2model.block_diffusion import block_diffusion_settings, convert_to_block_diffusion
 from gr2model.checkpoint import load_hf_checkpoint
 from gr2model.data import load_prepared
-from gr2model.rerank_eval import fixed_rankings, lm_rerank, random_rankings, rerank_examples
+from gr2model.rerank_eval import decoder_kwargs, fixed_rankings, lm_rerank, random_rankings, rerank_examples
 from gr2model.rerank_format import RERANK_METRIC_NAMES, ItemText, rerank_metrics
 from gr2model.teacher import ExpertTeacher
 from tasks.traces import load_format
-from tasks.common import StageConfig, stage_main, timed, write_text_atomic
+from tasks.common import StageConfig, stage_main, timed, write_json_atomic, write_text_atomic
 from tasks.tracking import StageTracker
 
 STAGE = "evaluate"
@@ -36,8 +46,20 @@ CANDIDATES = Path("data/candidates")
 TRACES = Path("data/traces")
 METRICS = Path("metrics/evaluate.json")
 REPORT = Path("reports/evaluate.md")
+SPEED = Path("metrics/speed.json")
+SPEED_REPORT = Path("reports/speed.md")
 # Model name in metrics/evaluate.json -> checkpoint folder (the contract in ARCHITECTURE.md).
-MODELS: dict[str, Path] = {"gr2-sft": Path("checkpoints/gr2-sft"), "gr2": Path("checkpoints/gr2")}
+AR_MODELS: dict[str, Path] = {"gr2-sft": Path("checkpoints/gr2-sft"), "gr2": Path("checkpoints/gr2")}
+GR2 = AR_MODELS["gr2"]
+NAIVE = "dgr2-naive"  # GR2 converted without training: the structural gap that CFT closes
+DIFFUSION_MODELS: dict[str, Path] = {"dgr2-cft": Path("checkpoints/dgr2-cft")}
+
+
+class BenchParams(StageConfig):
+    taus: list[float] = [0.9, 0.7, 0.5, 0.3]
+    batch_sizes: list[int] = [1, 16]
+    examples: int = 64  # the first N test re-ranking examples (the same for every decoder)
+    naive: bool = False  # also benchmark dgr2-naive (its answers are mostly invalid)
 
 
 class EvaluateConfig(StageConfig):
@@ -46,6 +68,9 @@ class EvaluateConfig(StageConfig):
     max_new_tokens: int = 320
     max_examples: int = 0  # per split; 0 = every re-ranking example
     seed: int = 0
+    tau: float = 0.9  # commit threshold of the diffusion decoder in the accuracy table
+    naive_block_size: int = 32  # block size of dgr2-naive when no diffusion checkpoint says otherwise
+    bench: BenchParams = BenchParams()
 
 
 CONFIG = EvaluateConfig
@@ -71,8 +96,57 @@ def markdown_table(results: dict[str, dict[str, dict[str, float]]], split: str) 
     return "\n".join(lines)
 
 
+def diffusion_models(root: Path, naive_block_size: int) -> dict[str, Any]:
+    """name -> (model, tokenizer) of every diffusion re-ranker to evaluate: the naive conversion of GR2 and each checkpoint.
+
+    The naive conversion uses the block size of the first diffusion checkpoint
+    (so the two rows differ by training alone), or `naive_block_size` when
+    there is none yet.
+    """
+    found = {name: load_hf_checkpoint(root / path) for name, path in DIFFUSION_MODELS.items() if (root / path).exists()}
+    block_size = next((block_diffusion_settings(m)[0] for m, _ in found.values()), naive_block_size)
+    gr2, tok = load_hf_checkpoint(root / GR2)
+    return {NAIVE: (convert_to_block_diffusion(gr2, tok, block_size), tok), **found}
+
+
+def _decode_eval(name: str, model: Any, tok: Any, df: pl.DataFrame, items: ItemText, fmt: Any, cfg: EvaluateConfig) -> dict[str, float]:
+    """Decode one split with the model's decoder (AR or threshold diffusion) and score it."""
+    kwargs = decoder_kwargs(model, cfg.tau)
+    out = lm_rerank(model, tok, df, items, fmt, batch_size=cfg.batch_size, max_new_tokens=cfg.max_new_tokens, desc=name, **kwargs)
+    m = rerank_metrics(out.parsed, df["target"].to_list())
+    m["tokens_per_s"] = out.generated_tokens / max(out.seconds, 1e-9)
+    m["response_tokens"] = out.generated_tokens / max(len(out.parsed), 1)
+    m["tokens_per_forward"] = out.generated_tokens / max(out.nfe, 1)
+    return m
+
+
+def run_bench(cfg: EvaluateConfig, root: Path, log: logging.Logger, models: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """The decode-speed benchmark on the first `cfg.bench.examples` test examples; writes metrics/speed.json and reports/speed.md.
+
+    Args:
+        models: the diffusion models to race (`diffusion_models`); loaded when None.
+    """
+    ds, _ = load_prepared(root / PREPARED)
+    items = ItemText(ds.items)
+    fmt = load_format(root)
+    lists = rerank_examples(pl.read_parquet(root / CANDIDATES / "test.parquet")).head(cfg.bench.examples)
+    gr2, tok = load_hf_checkpoint(root / GR2)
+    models = models if models is not None else diffusion_models(root, cfg.naive_block_size)
+    racers = {name: m for name, (m, _) in models.items() if cfg.bench.naive or name != NAIVE}
+    log.info("decode benchmark: %d test examples, AR (ours, HF) vs %s at tau %s, batch sizes %s", lists.height, list(racers), cfg.bench.taus, cfg.bench.batch_sizes)
+    on_row = lambda r: log.info("bench %s %s tau=%s b%d: %.0f tok/s, %.2fx, %.3f NFE/token, R@1 %.4f, valid %.3f", r["decoder"], r["model"], r["tau"], r["batch_size"], r["tokens_per_s"], r["speedup"], r["nfe_per_token"], r["recall@1"], r["valid_format_rate"])  # noqa: E731
+    rows = decode_benchmark(
+        gr2, racers, tok, lists, items, fmt, taus=cfg.bench.taus, batch_sizes=cfg.bench.batch_sizes, max_new_tokens=cfg.max_new_tokens, on_row=on_row
+    )
+    device = "cpu" if not torch.cuda.is_available() else torch.cuda.get_device_name(0)
+    write_json_atomic({"device": device, "threads": torch.get_num_threads(), "examples": lists.height, "fields": list(SPEED_FIELDS), "rows": rows}, root / SPEED)
+    table = speed_table(rows)
+    write_text_atomic(f"# Decode speed ({device}, {torch.get_num_threads()} threads, {lists.height} test examples)\n\n{table}\n", root / SPEED_REPORT)
+    return rows
+
+
 def run(cfg: EvaluateConfig, root: Path, log: logging.Logger, tracker: StageTracker) -> dict[str, Any]:
-    """Evaluate every baseline and existing checkpoint; writes the report, returns `{model: {split: metrics}}`."""
+    """Evaluate every baseline and existing checkpoint, then the speed benchmark; returns `{model: {split: metrics}}`."""
     torch.manual_seed(cfg.seed)
     timings: dict[str, float] = {}
     ds, split = load_prepared(root / PREPARED)
@@ -94,24 +168,33 @@ def run(cfg: EvaluateConfig, root: Path, log: logging.Logger, tracker: StageTrac
         results["teacher"][name] = rerank_metrics(fixed_rankings(teacher_rankings(teacher, df), incoming), targets)
         results["random"][name] = rerank_metrics(fixed_rankings(random_rankings(incoming, cfg.seed), incoming), targets)
 
-    for model_name, ckpt in MODELS.items():
+    def evaluate_model(model_name: str, model: Any, tok: Any) -> None:
+        results[model_name] = {}
+        for name, df in lists.items():
+            with timed(log, f"{model_name} on {name} ({df.height} examples)", timings, f"{model_name}_{name}_s"):
+                results[model_name][name] = m = _decode_eval(model_name, model, tok, df, items, fmt, cfg)
+            log.info("%s %s: %s", model_name, name, {k: round(v, 4) for k, v in m.items()})
+
+    for model_name, ckpt in AR_MODELS.items():
         if not (root / ckpt).exists():
             log.info("%s: no checkpoint at %s; skipped", model_name, ckpt)
             continue
         model, tok = load_hf_checkpoint(root / ckpt)
-        results[model_name] = {}
-        for name, df in lists.items():
-            with timed(log, f"{model_name} on {name} ({df.height} examples)", timings, f"{model_name}_{name}_s"):
-                out = lm_rerank(model, tok, df, items, fmt, batch_size=cfg.batch_size, max_new_tokens=cfg.max_new_tokens, desc=f"{model_name} {name}")
-            m = rerank_metrics(out.parsed, df["target"].to_list())
-            m["tokens_per_s"] = out.generated_tokens / max(out.seconds, 1e-9)
-            m["response_tokens"] = out.generated_tokens / max(len(out.parsed), 1)
-            results[model_name][name] = m
-            log.info("%s %s: %s", model_name, name, {k: round(v, 4) for k, v in m.items()})
+        evaluate_model(model_name, model, tok)
         del model
+    models = diffusion_models(root, cfg.naive_block_size) if (root / GR2).exists() else {}
+    for model_name, (model, tok) in models.items():
+        evaluate_model(model_name, model, tok)
+
     report = "\n\n".join(f"## {s}\n\n{markdown_table(results, s)}" for s in cfg.splits)
     write_text_atomic(f"# Re-ranking evaluation\n\n{report}\n", root / REPORT)
     tracker.log_artifact(root / REPORT)
+    if models:
+        with timed(log, "decode-speed benchmark", timings, "bench_s"):
+            rows = run_bench(cfg, root, log, models)
+        log.info("decode speed:\n%s", speed_table(rows))
+        tracker.log_artifact(root / SPEED_REPORT)
+        tracker.log_metrics({f"speed.{r['model']}.{r['decoder']}.tau{r['tau'] if r['tau'] is not None else '-'}.b{r['batch_size']}.speedup": r["speedup"] for r in rows})
     tracker.log_metrics(timings)
     return results
 

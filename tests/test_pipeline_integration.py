@@ -91,15 +91,26 @@ def test_dvc_outputs_and_metrics(smoke_run: dict[str, Any]) -> None:
     assert (ws / "checkpoints/retriever/COMPLETE").exists()
     traces = json.loads((ws / "metrics/traces.json").read_text())
     assert traces["kept"] > 0 and 0.0 < traces["kept_rate"] <= 1.0
-    for ckpt in ("gr2-sft", "gr2"):
+    for ckpt in ("gr2-sft", "gr2", "dgr2-cft"):
         assert (ws / f"checkpoints/{ckpt}/COMPLETE").exists()
+    assert json.loads((ws / "checkpoints/dgr2-cft/config.json").read_text())["block_size"] == 32
     evaluation = json.loads((ws / "metrics/evaluate.json").read_text())
-    for model in ("prerank", "teacher", "random", "gr2-sft", "gr2"):
+    for model in ("prerank", "teacher", "random", "gr2-sft", "gr2", "dgr2-naive", "dgr2-cft"):
         for split in ("valid", "test"):
             m = evaluation[model][split]
             assert set(m) >= {"recall@1", "recall@3", "recall@5", "ndcg@3", "ndcg@5", "valid_format_rate", "valid_permutation_rate", "copy_incoming_rate", "n"}
             assert m["n"] > 0
     assert evaluation["prerank"]["test"]["copy_incoming_rate"] == 1.0
+    speed = json.loads((ws / "metrics/speed.json").read_text())
+    # smoke bench: batch sizes 1 and 4; AR (ours, HF) + dgr2-cft at two thresholds each
+    assert len(speed["rows"]) == 2 * (2 + 2)
+    for row in speed["rows"]:
+        assert set(row) >= {"decoder", "model", "tau", "batch_size", "tokens_per_s", "speedup", "nfe_per_token", "response_tokens", "recall@1", "valid_format_rate"}
+        assert row["tokens_per_s"] > 0 and row["nfe_per_token"] > 0
+    for bs in (1, 4):
+        ar = [r for r in speed["rows"] if r["batch_size"] == bs and r["decoder"] in ("ar", "hf")]
+        assert max(r["speedup"] for r in ar) == 1.0  # speed-ups are relative to the faster AR decoder
+    assert "| decoder |" in (ws / "reports/speed.md").read_text()
     lock = (ws / "dvc.lock").read_text()
     assert "checkpoints/retriever" in lock and "data/prepared" in lock
 
@@ -147,6 +158,7 @@ def test_retriever_registered_once_and_serves(smoke_run: dict[str, Any]) -> None
     gr2_versions = client.search_model_versions("name = 'gr2'")
     assert sorted(v.tags["stage"] for v in gr2_versions) == ["ar_rl", "sft"]
     assert client.get_model_version_by_alias("gr2", "challenger").tags["stage"] == "ar_rl"
+    assert [v.tags["stage"] for v in client.search_model_versions("name = 'diffusion-gr2'")] == ["cft"]
 
     model = mlflow.pyfunc.load_model("models:/gr2-retriever@challenger")
     out = model.predict(pd.DataFrame({"history": [[1, 2, 3], [10]]}))
@@ -155,12 +167,13 @@ def test_retriever_registered_once_and_serves(smoke_run: dict[str, Any]) -> None
         assert len(cands) == 10 and not set(hist) & set(cands)
 
 
-def test_gr2_registered_model_reranks(smoke_run: dict[str, Any]) -> None:
+@pytest.mark.parametrize("name", ["gr2", "diffusion-gr2"])
+def test_registered_reranker_reranks(smoke_run: dict[str, Any], name: str) -> None:
     import mlflow.pyfunc
     import pandas as pd
 
     _mlflow(smoke_run["ws"])
-    model = mlflow.pyfunc.load_model("models:/gr2@challenger")
+    model = mlflow.pyfunc.load_model(f"models:/{name}@challenger")
     candidates = list(range(20, 30))
     out = model.predict(pd.DataFrame({"history": [[1, 2, 3]], "candidates": [candidates]}), params={"max_new_tokens": 64})
     assert sorted(out["ranking"][0]) == candidates  # a permutation, even when the raw answer is invalid

@@ -1,0 +1,136 @@
+"""The decode-speed benchmark: AR GR2 against block-diffusion re-rankers, in one run, on the same prompts.
+
+Speed is only ever reported as a ratio against the best AR decoder for the same
+weights measured in the same run (the faster of our KV-cache loop `ar_generate`
+and Hugging Face `generate`), at each batch size, so machine load and hardware
+cancel out as far as they can. Every decoder decodes the same re-ranking
+examples greedily, at the model's real reasoning length, and its answers go
+through the shared parser, so each speed row also carries the accuracy and
+validity it was bought at.
+
+Rows (one per decoder, model, threshold and batch size):
+    decoder: "ar" (our loop), "hf" (HF generate) or "diffusion"
+    model: the model's name (e.g. "gr2", "dgr2-cft")
+    tau: the commit threshold (None for AR)
+    batch_size, n (examples), seconds (decode time, tokenisation excluded)
+    tokens_per_s: generated tokens (eos included) per second of decoding
+    speedup: tokens_per_s / the best AR tokens_per_s at this batch size
+    nfe_per_token: model forwards per generated token (1/tokens per forward)
+    tokens_per_forward, response_tokens (mean generated tokens per example)
+    recall@1, ndcg@3, valid_format_rate, valid_permutation_rate
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import polars as pl
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from gr2model.ar_decode import ar_generate, hf_generate
+from gr2model.block_diffusion import block_diffusion_settings
+from gr2model.diffusion_decode import diffusion_generate
+from gr2model.rerank_eval import LMRerankResult, lm_rerank
+from gr2model.rerank_format import FormatConfig, ItemText, rerank_metrics
+
+log = logging.getLogger(__name__)
+
+SPEED_FIELDS = (
+    "decoder", "model", "tau", "batch_size", "n", "seconds", "tokens_per_s", "speedup", "nfe_per_token",
+    "tokens_per_forward", "response_tokens", "recall@1", "ndcg@3", "valid_format_rate", "valid_permutation_rate",
+)  # fmt: skip
+
+
+def _row(decoder: str, model: str, tau: float | None, batch_size: int, out: LMRerankResult, targets: Sequence[int]) -> dict[str, Any]:
+    m = rerank_metrics(out.parsed, targets)
+    tokens = max(out.generated_tokens, 1)
+    return {
+        "decoder": decoder,
+        "model": model,
+        "tau": tau,
+        "batch_size": batch_size,
+        "n": len(out.parsed),
+        "seconds": out.seconds,
+        "tokens_per_s": out.generated_tokens / max(out.seconds, 1e-9),
+        "speedup": float("nan"),  # filled once the best AR decoder of this batch size is known
+        "nfe_per_token": out.nfe / tokens,
+        "tokens_per_forward": tokens / max(out.nfe, 1),
+        "response_tokens": out.generated_tokens / max(len(out.parsed), 1),
+        "recall@1": m["recall@1"],
+        "ndcg@3": m["ndcg@3"],
+        "valid_format_rate": m["valid_format_rate"],
+        "valid_permutation_rate": m["valid_permutation_rate"],
+    }
+
+
+def decode_benchmark(
+    ar_model: PreTrainedModel,
+    diffusion_models: Mapping[str, PreTrainedModel],
+    tok: PreTrainedTokenizerBase,
+    lists: pl.DataFrame,
+    items: ItemText,
+    fmt: FormatConfig,
+    *,
+    taus: Sequence[float],
+    batch_sizes: Sequence[int],
+    max_new_tokens: int,
+    ar_name: str = "gr2",
+    on_row: Callable[[dict[str, Any]], None] | None = None,
+) -> list[dict[str, Any]]:
+    """Decode `lists` with every decoder, threshold and batch size; one row each (module docstring).
+
+    Args:
+        ar_model: the AR re-ranker (eval mode).
+        diffusion_models: name -> converted model (block size and mask id read
+            from its config), all sharing `tok`.
+        lists: re-ranking examples (history, candidates, target), the same for
+            every decoder.
+        taus: commit thresholds of the diffusion decoder.
+        batch_sizes: batch sizes to measure (AR and diffusion alike).
+        on_row: called with each row as soon as it is measured (progress).
+    Returns:
+        The rows, AR first within each batch size; `speedup` is relative to the
+        faster of "ar" and "hf" at the same batch size.
+    """
+    targets = lists["target"].to_list()
+    rows: list[dict[str, Any]] = []
+    for bs in batch_sizes:
+        common = {"batch_size": bs, "max_new_tokens": max_new_tokens}
+        batch_rows = []
+        for decoder_name, decoder in (("ar", ar_generate), ("hf", hf_generate)):
+            out = lm_rerank(ar_model, tok, lists, items, fmt, decoder=decoder, desc=f"bench {decoder_name} b{bs}", **common)
+            batch_rows.append(_row(decoder_name, ar_name, None, bs, out, targets))
+            if on_row:
+                on_row(batch_rows[-1])
+        best_ar = max(r["tokens_per_s"] for r in batch_rows)
+        for r in batch_rows:
+            r["speedup"] = r["tokens_per_s"] / best_ar
+        for name, model in diffusion_models.items():
+            block_size, mask_id = block_diffusion_settings(model)
+            for tau in taus:
+                out = lm_rerank(
+                    model, tok, lists, items, fmt, decoder=diffusion_generate, desc=f"bench {name} tau {tau} b{bs}",
+                    mask_id=mask_id, block_size=block_size, threshold=tau, **common,
+                )  # fmt: skip
+                row = _row("diffusion", name, tau, bs, out, targets)
+                row["speedup"] = row["tokens_per_s"] / best_ar
+                batch_rows.append(row)
+                if on_row:
+                    on_row(row)
+        rows.extend(batch_rows)
+    return rows
+
+
+def speed_table(rows: Sequence[Mapping[str, Any]]) -> str:
+    """The rows as a markdown table (the benchmark's printed and reported form)."""
+    cols = ("decoder", "model", "tau", "batch_size", "tokens_per_s", "speedup", "nfe_per_token", "response_tokens", "recall@1", "valid_format_rate")
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in rows:
+        cells = []
+        for c in cols:
+            v = r.get(c)
+            cells.append("-" if v is None else f"{v:.3f}" if isinstance(v, float) and c not in ("tokens_per_s",) else f"{v:.0f}" if isinstance(v, float) else str(v))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)

@@ -1,0 +1,119 @@
+"""Stage `cft`: convert GR2 into a block-diffusion re-ranker and fine-tune it on GR2's trajectories.
+
+Conversion (gr2model.block_diffusion.convert_to_block_diffusion) copies GR2's
+weights one to one into the same architecture; only the config changes (block
+size, mask token). The naive conversion cannot write a valid ranking on its own
+(parallel positions are scored independently), so conversion fine-tuning
+(gr2model.cft.train_cft) trains it with the block-diffusion objective on the
+teacher trajectories: GR2's own responses to the training prompts.
+
+Which trajectories: by default only those whose answer is a valid permutation
+(`only_valid`): CFT is there to teach the structure, so an invalid answer would
+teach the wrong one. Correctness is not required: the student should imitate
+GR2's distribution, not a filtered better one (that is the job of `rl`).
+
+    python -m tasks.cft
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import polars as pl
+import torch
+
+from gr2model.block_diffusion import convert_to_block_diffusion
+from gr2model.cft import CFTConfig, train_cft
+from gr2model.checkpoint import load_hf_checkpoint, read_stage_config, save_hf_checkpoint
+from tasks.common import StageConfig, atomic_dir, stage_main, timed
+from tasks.tracking import StageTracker
+
+STAGE = "cft"
+GR2 = Path("checkpoints/gr2")
+TRAJECTORIES = Path("data/trajectories")
+CHECKPOINT = Path("checkpoints/dgr2-cft")
+METRICS = Path("metrics/cft.json")
+
+
+class CftTrainParams(StageConfig):
+    epochs: int = 2
+    batch_size: int = 16
+    lr: float = 3e-4
+    weight_decay: float = 0.0
+    warmup_steps: int = 20
+    reasoning_weight: float = 1.0
+    answer_weight: float = 2.0
+    pad_weight: float = 1.0
+    max_length: int = 1024
+    t_min: float = 0.0
+    grad_clip: float = 1.0
+    valid_every: int = 0
+
+
+class CftStageConfig(StageConfig):
+    seed: int = 0
+    block_size: int = 32
+    only_valid: bool = True  # train only on trajectories whose answer is a valid permutation
+    valid_fraction: float = 0.05  # trajectories held out for a validation loss
+    max_examples: int = 0  # 0 = every (kept) trajectory
+    train: CftTrainParams = CftTrainParams()
+
+
+CONFIG = CftStageConfig
+
+
+def run(cfg: CftStageConfig, root: Path, log: logging.Logger, tracker: StageTracker) -> dict[str, Any]:
+    """Convert `checkpoints/gr2`, fine-tune on the trajectories, save `checkpoints/dgr2-cft`."""
+    timings: dict[str, float] = {}
+    start = time.perf_counter()
+    torch.manual_seed(cfg.seed)
+    table = pl.read_parquet(root / TRAJECTORIES / "train.parquet")
+    kept = table.filter(pl.col("valid_permutation")) if cfg.only_valid else table
+    pairs = list(zip(kept["prompt"].to_list(), kept["response"].to_list(), strict=True))
+    if cfg.max_examples:
+        pairs = pairs[: cfg.max_examples]
+    if not pairs:
+        raise RuntimeError(f"{root / TRAJECTORIES / 'train.parquet'}: no trajectories to train on (only_valid={cfg.only_valid})")
+    rng = random.Random(cfg.seed)
+    rng.shuffle(pairs)
+    n_valid = max(1, int(len(pairs) * cfg.valid_fraction)) if cfg.valid_fraction > 0 and len(pairs) > 1 else 0
+    valid, train = pairs[:n_valid], pairs[n_valid:]
+    log.info("%d of %d trajectories kept (only_valid=%s): %d train / %d validation", len(pairs), table.height, cfg.only_valid, len(train), len(valid))
+
+    ar_model, tok = load_hf_checkpoint(root / GR2)
+    model = convert_to_block_diffusion(ar_model, tok, cfg.block_size)
+    del ar_model
+    ccfg = CFTConfig(**cfg.train.model_dump(), block_size=cfg.block_size, seed=cfg.seed)
+    step_metrics = lambda m: tracker.log_metrics({k: v for k, v in m.items() if k != "step"}, step=int(m.get("step", 0)))  # noqa: E731
+    with timed(log, f"CFT for {ccfg.epochs} epochs (block size {ccfg.block_size})", timings, "train_s"):
+        result = train_cft(model, tok, train, ccfg, valid=valid or None, on_step=step_metrics)
+    lineage = read_stage_config(root / GR2)
+    with atomic_dir(root / CHECKPOINT) as out:
+        save_hf_checkpoint(out, result.model, tok, {"stage": STAGE, **cfg.model_dump(), "cft": asdict(ccfg), "converted_from": lineage})
+    last = next((h for h in reversed(result.history) if "loss" in h), {})
+    valid_losses = [h for h in result.history if any(k.startswith("valid") for k in h)]
+    return {
+        "trajectories": table.height,
+        "kept": len(pairs),
+        "train_examples": len(train),
+        "valid_examples": len(valid),
+        "block_size": cfg.block_size,
+        "steps": result.steps,
+        "final_train_loss": last.get("loss"),
+        "valid": {k: v for k, v in (valid_losses[-1] if valid_losses else {}).items() if k.startswith("valid")},
+        **timings,
+        "seconds": round(time.perf_counter() - start, 2),
+    }
+
+
+def main() -> None:
+    stage_main(STAGE, CONFIG, run, METRICS)
+
+
+if __name__ == "__main__":
+    main()
