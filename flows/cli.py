@@ -4,6 +4,7 @@
     gr2 stages                        the stages in DVC's order, and which are out of date
     gr2 workspace DEST --profile P    a self-contained copy of the project with a params profile
     gr2 data download                 fetch the public raw Amazon review files
+    gr2 promote MODEL [--version N]   move `champion` to a version through the gates in params.yaml
 """
 
 from __future__ import annotations
@@ -88,6 +89,31 @@ def cmd_data_download(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_promote(args: argparse.Namespace) -> int:
+    """Exit 0: promoted (or already champion); 1: refused by a gate; 2: nothing to judge; 3: lost a race."""
+    from flows.promote import Decision, PromotionBusy, PromotionConflict, PromotionError, promote, promote_flow
+    from tasks.tracking import configure
+
+    root = Path(args.root).resolve()
+    configure(root)
+    try:
+        if args.no_flow:
+            decision = promote(args.model, args.version, root).to_dict()
+        else:
+            decision = promote_flow(args.model, args.version, str(root))
+    except (PromotionConflict, PromotionBusy) as exc:
+        print(f"promotion not committed: {exc}", file=sys.stderr)
+        return 3
+    except PromotionError as exc:
+        print(f"promotion failed: {exc}", file=sys.stderr)
+        return 2
+    d = Decision.from_dict(decision)
+    print(d.summary())
+    if d.gates:
+        print("\n" + d.table())
+    return 0 if d.status in ("promoted", "already-champion") else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gr2", description="Diffusion-GR2 pipeline: train, measure, register and promote re-rankers.")
     parser.add_argument("--root", default=".", help="project folder holding dvc.yaml (default: current folder)")
@@ -106,6 +132,12 @@ def build_parser() -> argparse.ArgumentParser:
     ws.add_argument("--profile", default=None, help="profiles/<name>.yaml merged over params.yaml")
     ws.add_argument("--data-dir", default=None, help="data folder for the copy (default: the project's prepare.data_dir)")
     ws.set_defaults(fn=cmd_workspace)
+
+    prom = sub.add_parser("promote", help="move a model's `champion` alias to a version through the gates in params.yaml (promote:)")
+    prom.add_argument("model", help="registered model name, e.g. gr2 or diffusion-gr2")
+    prom.add_argument("--version", default=None, help="version to judge (default: the one aliased `challenger`)")
+    prom.add_argument("--no-flow", action="store_true", help="run without Prefect (no flow run, no artifact); faster")
+    prom.set_defaults(fn=cmd_promote)
 
     data = sub.add_parser("data", help="data helpers")
     data_sub = data.add_subparsers(dest="data_command", required=True)

@@ -21,6 +21,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run
 
 from flows import dvc_stages
+from flows.promote import record_evaluations_task
 from flows.registry import MODEL_STAGES, register_checkpoint
 from tasks.tracking import configure, experiment_id, flatten, git_lineage, metric_key
 
@@ -152,6 +153,9 @@ def pipeline(root: str = ".", stages: list[str] | None = None, force: bool = Fal
             if stage in MODEL_STAGES:
                 summary["registered"] = register_model.with_options(name=f"register-{stage}")(stage, str(rootp), summary)
             summaries.append(summary)
+        # After evaluate (and any later stage): each registered version gets its checkpoint's
+        # eval metrics, decode speed and params hash as tags, which promotion reads.
+        record_evaluations_task(str(rootp))
         status = "FINISHED"
     finally:
         client.set_terminated(parent_id, status)

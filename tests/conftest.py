@@ -38,3 +38,52 @@ def shared_data() -> Path:
     if not (SHARED_DATA / "Beauty.txt").exists():
         pytest.skip(f"shared data set not found at {SHARED_DATA}")
     return SHARED_DATA
+
+
+@pytest.fixture(scope="session")
+def prefect_harness(tmp_path_factory: pytest.TempPathFactory):
+    """One Prefect test API for the session (about 10 s to start), isolated from the
+    user's Prefect home and result storage, with no end-of-flow heartbeat wait
+    (shared/notes/STACK.md)."""
+    from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, PREFECT_HOME, PREFECT_RESULTS_LOCAL_STORAGE_PATH, temporary_settings
+    from prefect.testing.utilities import prefect_test_harness
+
+    base = tmp_path_factory.mktemp("prefect")
+    with temporary_settings(
+        updates={
+            PREFECT_HOME: str(base / "home"),
+            PREFECT_RESULTS_LOCAL_STORAGE_PATH: str(base / "results"),
+            PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None,
+        }
+    ):
+        with prefect_test_harness():
+            yield
+
+
+@pytest.fixture(scope="session")
+def smoke_run(tmp_path_factory: pytest.TempPathFactory, shared_data: Path, prefect_harness) -> dict:
+    """The whole pipeline on a smoke workspace, run twice (about 2 minutes), once per test session.
+
+    Returns {"ws": the workspace folder (its own git, DVC cache and MLflow store
+    in ws/mlflow.db), "first": the first run's stage summaries, "second": the
+    second's (everything up to date)}. Tests that change the workspace's registry
+    (promotion, serving) only add aliases and tags.
+    """
+    from flows.pipeline import pipeline
+    from flows.workspace import make_workspace
+
+    base = tmp_path_factory.mktemp("smoke")
+    ws = make_workspace(ROOT, base / "ws", profile="smoke")
+    saved = {k: os.environ.get(k) for k in ("GR2_TRACKING", "MLFLOW_TRACKING_URI", "GR2_ROOT")}
+    os.environ["GR2_TRACKING"] = "on"
+    os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{ws / 'mlflow.db'}"
+    try:
+        first = pipeline(root=str(ws))
+        second = pipeline(root=str(ws))
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    return {"ws": ws, "first": first, "second": second}

@@ -2,13 +2,14 @@
 
 One workspace (a copy of the project with profiles/smoke.yaml applied, on a
 slice of the real Beauty data) is run twice under Prefect's test harness: the
-first run executes every stage, the second finds everything up to date.
+first run executes every stage, the second finds everything up to date. The
+run is the session fixture `smoke_run` (tests/conftest.py), shared with the
+promotion and serving tests.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -19,39 +20,6 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture(scope="module")
-def smoke_run(tmp_path_factory: pytest.TempPathFactory, shared_data: Path) -> dict[str, Any]:
-    from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, PREFECT_HOME, PREFECT_RESULTS_LOCAL_STORAGE_PATH, temporary_settings
-    from prefect.testing.utilities import prefect_test_harness
-
-    from flows.pipeline import pipeline
-    from flows.workspace import make_workspace
-
-    base = tmp_path_factory.mktemp("smoke")
-    ws = make_workspace(ROOT, base / "ws", profile="smoke")
-    saved = {k: os.environ.get(k) for k in ("GR2_TRACKING", "MLFLOW_TRACKING_URI", "GR2_ROOT")}
-    os.environ["GR2_TRACKING"] = "on"
-    os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{ws / 'mlflow.db'}"
-    try:
-        with temporary_settings(
-            updates={
-                PREFECT_HOME: str(base / "prefect"),
-                PREFECT_RESULTS_LOCAL_STORAGE_PATH: str(base / "prefect-results"),
-                PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None,
-            }
-        ):
-            with prefect_test_harness():
-                first = pipeline(root=str(ws))
-                second = pipeline(root=str(ws))
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-    return {"ws": ws, "first": first, "second": second}
 
 
 def _mlflow(ws: Path):

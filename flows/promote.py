@@ -1,0 +1,563 @@
+"""Promotion: move a model's `champion` alias to a version only through the gates in params.yaml.
+
+Evidence lives on the registered versions as tags, so a decision can be read
+(and re-checked) in the registry alone:
+
+- registration (flows/registry.py) tags each version with its stage, git commit
+  and dirty flag, the DVC hashes of its inputs and checkpoint, the Prefect flow
+  run, and gives it the alias `challenger`;
+- `record_evaluations` (run by the pipeline after its stages, and again by every
+  promotion) adds the params hash of the stage, the evaluation metrics of that
+  checkpoint (`eval.<split>.<metric>`, from metrics/evaluate.json) and, for a
+  diffusion model, its decode speed (`speed.tau_<tau>.bs_<b>.<field>`, from
+  metrics/speed.json). Numbers are only attached to a version when dvc.lock says
+  they were measured on that version's checkpoint hash (or cannot say at all,
+  which is then recorded as `unverified`).
+
+`promote` judges the version against the current champion (gates: no worse on
+the configured metrics beyond a tolerance, valid-format rate at least a floor,
+and for diffusion models a decode speed-up floor at a given tau and batch
+size), then commits under a per-model lock: re-read the champion, refuse if it
+changed since the judgement (compare-and-set), move the alias, read it back,
+and record the decision and its numbers as tags on the version. MLflow has no
+compare-and-set on aliases, so the lock (an fcntl lock file next to the SQLite
+store) is what makes two racing promotions safe: the second one waits, sees the
+champion moved, changes nothing and raises `PromotionConflict`.
+
+    gr2 promote gr2               # judge the challenger; exit 1 when a gate fails
+    gr2 promote diffusion-gr2 --version 3
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import logging
+import math
+import os
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from prefect import flow, get_run_logger, task
+from prefect.artifacts import create_markdown_artifact
+from prefect.cache_policies import NO_CACHE
+from prefect.runtime import flow_run
+from pydantic import BaseModel
+
+from flows import dvc_stages
+from flows.registry import CHALLENGER, MODEL_STAGES, find_version
+from tasks.common import ParamsError, load_stage_config, read_params
+from tasks.tracking import metric_key
+
+log = logging.getLogger("flows.promote")
+
+CHAMPION = "champion"
+SECTION = "promote"  # params.yaml section (not a DVC stage: promotion changes the registry, not files)
+EVALUATE_METRICS = "metrics/evaluate.json"
+SPEED_METRICS = "metrics/speed.json"
+SPEED_FIELDS = ("speedup", "tokens_per_s", "nfe_per_token", "response_tokens", "recall@1", "valid_format_rate")
+
+
+# ---------------------------------------------------------------------------
+# Config
+
+
+class _Config(BaseModel):
+    model_config = {"extra": "forbid", "frozen": True}
+
+
+class SpeedGate(_Config):
+    """Decode speed-up over the best AR decoder for the same weights (a row of metrics/speed.json)."""
+
+    min_speedup: float = 2.0
+    tau: float = 0.9  # confidence threshold of the diffusion decoder the floor applies at
+    batch_size: int = 1
+
+
+class ModelGates(_Config):
+    split: str = "test"
+    metrics: list[str] = ["recall@1", "ndcg@3"]  # no worse than the champion beyond `tolerance`
+    tolerance: float = 0.005  # absolute
+    min_valid_format: float = 0.99
+    speed: SpeedGate | None = None  # diffusion models only
+
+
+class PromoteConfig(_Config):
+    lock_timeout_s: float = 30.0  # how long a promotion waits for another one of the same model
+    models: dict[str, ModelGates] = {}
+
+
+def load_promote_config(root: Path) -> PromoteConfig:
+    """The `promote:` section of `<root>/params.yaml` (errors name the field)."""
+    path = root / "params.yaml"
+    if SECTION not in read_params(path):
+        return PromoteConfig()
+    return load_stage_config(SECTION, PromoteConfig, path)
+
+
+# ---------------------------------------------------------------------------
+# Evidence tags
+
+
+def eval_tag(split: str, metric: str) -> str:
+    """`eval_tag("test", "recall@1") == "eval.test.recall_at_1"`."""
+    return f"eval.{split}.{metric_key(metric)}"
+
+
+def _tau_str(tau: float | None) -> str:
+    return "none" if tau is None else f"{float(tau):g}"
+
+
+def speed_tag(tau: float | None, batch_size: int, name: str) -> str:
+    """`speed_tag(0.9, 1, "speedup") == "speed.tau_0.9.bs_1.speedup"`."""
+    return f"speed.tau_{_tau_str(tau)}.bs_{int(batch_size)}.{metric_key(name)}"
+
+
+def _read_json(path: Path) -> Any:
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def _measured_on(root: Path, metrics_file: str, checkpoint: str) -> str | None:
+    """Which checkpoint hash the numbers in `metrics_file` were measured on, per dvc.lock.
+
+    Returns the md5 the producing stage recorded for `checkpoint` among its deps,
+    or None when dvc.lock cannot say (no stage outputs that file, or the checkpoint
+    is not among that stage's deps).
+    """
+    import yaml
+
+    lock_path = root / "dvc.lock"
+    stages = (yaml.safe_load(lock_path.read_text()) or {}).get("stages", {}) if lock_path.exists() else {}
+    for name, entry in stages.items():
+        outs = {o["path"] for o in entry.get("outs", [])}
+        if metrics_file in outs:
+            deps = {d["path"]: d.get("md5") for d in entry.get("deps", [])}
+            return deps.get(checkpoint)
+    return None
+
+
+def record_evaluations(root: Path, client: Any | None = None) -> list[dict[str, Any]]:
+    """Tag every registered version found in this workspace with its params hash, eval metrics and speed.
+
+    A version is found by its `checkpoint_md5` tag (the hash dvc.lock holds for
+    the stage's checkpoint); the model name in metrics/evaluate.json and
+    metrics/speed.json is the checkpoint folder's name (`checkpoints/gr2-sft` ->
+    `gr2-sft`). Numbers measured on another checkpoint hash are not attached.
+    Safe to run again: tags are overwritten with the same values.
+
+    Returns one entry per version tagged: model, version, stage, and what was tagged.
+    """
+    from mlflow import MlflowClient
+
+    client = client or MlflowClient()
+    root = root.resolve()
+    evaluation = _read_json(root / EVALUATE_METRICS) or {}
+    speed_rows = (_read_json(root / SPEED_METRICS) or {}).get("rows", [])
+    done = []
+    for stage, spec in MODEL_STAGES.items():
+        entry = dvc_stages.lock_entry(root, stage)
+        md5 = entry["outs"].get(spec.checkpoint)
+        if not md5:
+            continue
+        mv = find_version(client, spec.model_name, md5)
+        if mv is None:
+            continue
+        name = Path(spec.checkpoint).name
+        tags: dict[str, str] = {}
+        if entry["params"]:
+            blob = json.dumps(entry["params"], sort_keys=True, default=str)
+            tags["dvc.params.md5"] = hashlib.md5(blob.encode()).hexdigest()
+        what = []
+        if name in evaluation:
+            measured = _measured_on(root, EVALUATE_METRICS, spec.checkpoint)
+            if measured not in (None, md5):
+                log.warning("%s: %s was evaluated on checkpoint %s, the version has %s; eval tags not attached", spec.model_name, name, measured, md5)
+            else:
+                tags["eval.model"] = name
+                tags["eval.checkpoint_md5"] = measured or "unverified"
+                for split, metrics in evaluation[name].items():
+                    for metric, value in metrics.items():
+                        if isinstance(value, (int, float)) and not isinstance(value, bool):
+                            tags[eval_tag(split, metric)] = repr(float(value))
+                what.append("eval")
+        # Diffusion rows only: AR rows (tau None) are the reference every speed-up is relative to.
+        rows = [r for r in speed_rows if r.get("model") == name and r.get("tau") is not None]
+        if rows:
+            measured = _measured_on(root, SPEED_METRICS, spec.checkpoint)
+            if measured not in (None, md5):
+                log.warning("%s: speed of %s was measured on checkpoint %s, the version has %s; speed tags not attached", spec.model_name, name, measured, md5)
+            else:
+                tags["speed.checkpoint_md5"] = measured or "unverified"
+                for row in rows:
+                    tau, bs = row.get("tau"), int(row.get("batch_size", 1))
+                    tags[speed_tag(tau, bs, "decoder")] = str(row.get("decoder"))
+                    for f in SPEED_FIELDS:
+                        if isinstance(row.get(f), (int, float)):
+                            tags[speed_tag(tau, bs, f)] = repr(float(row[f]))
+                what.append("speed")
+        for key, value in tags.items():
+            client.set_model_version_tag(spec.model_name, str(mv.version), key, value)
+        done.append({"model": spec.model_name, "version": str(mv.version), "stage": stage, "tagged": what})
+        log.info("%s version %s (%s): tagged %s", spec.model_name, mv.version, stage, ", ".join(what) or "params hash only")
+    return done
+
+
+# ---------------------------------------------------------------------------
+# Gates
+
+
+@dataclass
+class GateResult:
+    name: str
+    passed: bool
+    value: float | None  # the candidate's number
+    reference: float | None  # the champion's number, when the gate compares with it
+    threshold: float | None  # the number the candidate had to reach
+    rule: str  # how the threshold is made, in words
+    note: str = ""
+
+
+@dataclass
+class Decision:
+    model: str
+    version: str
+    champion_before: str | None
+    status: str  # "promoted" | "refused" | "already-champion"
+    gates: list[GateResult] = field(default_factory=list)
+    decided_at: str = ""
+
+    @property
+    def promoted(self) -> bool:
+        return self.status == "promoted"
+
+    @property
+    def failed(self) -> list[GateResult]:
+        return [g for g in self.gates if not g.passed]
+
+    def summary(self) -> str:
+        before = f"version {self.champion_before}" if self.champion_before else "no champion"
+        if self.status == "already-champion":
+            return f"{self.model} version {self.version} is already the champion; nothing to do"
+        if self.promoted:
+            return f"PROMOTED {self.model} version {self.version} to {CHAMPION} (before: {before})"
+        reasons = "; ".join(_why(g) for g in self.failed)
+        stays = f"champion stays version {self.champion_before}" if self.champion_before else "still no champion"
+        return f"REFUSED {self.model} version {self.version} ({stays}): {reasons}"
+
+    def table(self) -> str:
+        """The gates as a fixed-width text table."""
+        head = f"{'gate':<26} {'challenger':>10} {'champion':>10} {'threshold':>10}  result  rule"
+        lines = [head, "-" * len(head)]
+        for g in self.gates:
+            note = f" ({g.note})" if g.note else ""
+            lines.append(f"{g.name:<26} {_fmt(g.value):>10} {_fmt(g.reference):>10} {_fmt(g.threshold):>10}  {'pass' if g.passed else 'FAIL':<6}  {g.rule}{note}")
+        return "\n".join(lines)
+
+    def markdown(self) -> str:
+        rows = "\n".join(
+            f"| {g.name} | {_fmt(g.value)} | {_fmt(g.reference)} | {_fmt(g.threshold)} | {'pass' if g.passed else '**FAIL**'} | {g.rule}{' (' + g.note + ')' if g.note else ''} |"
+            for g in self.gates
+        )
+        return (
+            f"# Promotion of `{self.model}` version {self.version}\n\n**{self.summary()}**\n\n"
+            f"Decided {self.decided_at}; champion before: {self.champion_before or 'none'}.\n\n"
+            "| gate | challenger | champion | threshold | result | rule |\n|---|---|---|---|---|---|\n" + rows + "\n"
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "promoted": self.promoted, "summary": self.summary()}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Decision:
+        fields = {k: v for k, v in d.items() if k in cls.__dataclass_fields__}
+        return cls(**{**fields, "gates": [GateResult(**g) for g in d.get("gates", [])]})
+
+
+def _why(g: GateResult) -> str:
+    if g.value is not None and g.threshold is not None:
+        return f"{g.name} {_fmt(g.value)} < {_fmt(g.threshold)} (rule {g.rule})"
+    return f"{g.name}: {g.note}"
+
+
+def _fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.4f}"
+
+
+def _num(tags: dict[str, str], key: str) -> float | None:
+    try:
+        value = float(tags[key])
+    except (KeyError, ValueError):
+        return None
+    return None if math.isnan(value) else value
+
+
+def judge(tags: dict[str, str], champion_tags: dict[str, str] | None, gates: ModelGates) -> list[GateResult]:
+    """The gates of a candidate (its version tags) against the champion's tags (None: no champion).
+
+    Pure: reads numbers from the tags only. A number that is missing fails its
+    gate with a note saying which tag is missing.
+    """
+    out = []
+    for metric in gates.metrics:
+        key = eval_tag(gates.split, metric)
+        name = f"{metric} ({gates.split})"
+        value = _num(tags, key)
+        if value is None:
+            out.append(GateResult(name, False, None, None, None, f">= champion - {gates.tolerance:g}", f"not evaluated: no tag {key}"))
+            continue
+        if champion_tags is None:
+            out.append(GateResult(name, True, value, None, None, "no champion yet", ""))
+            continue
+        ref = _num(champion_tags, key)
+        if ref is None:
+            out.append(GateResult(name, False, value, None, None, f">= champion - {gates.tolerance:g}", f"the champion has no tag {key}"))
+            continue
+        threshold = ref - gates.tolerance
+        out.append(GateResult(name, value >= threshold - 1e-12, value, ref, threshold, f">= champion - {gates.tolerance:g}"))
+    key = eval_tag(gates.split, "valid_format_rate")
+    value = _num(tags, key)
+    out.append(
+        GateResult(
+            f"valid_format_rate ({gates.split})",
+            value is not None and value >= gates.min_valid_format,
+            value,
+            _num(champion_tags or {}, key),
+            gates.min_valid_format,
+            f">= {gates.min_valid_format:g}",
+            "" if value is not None else f"not evaluated: no tag {key}",
+        )
+    )
+    if gates.speed is not None:
+        s = gates.speed
+        key = speed_tag(s.tau, s.batch_size, "speedup")
+        value = _num(tags, key)
+        out.append(
+            GateResult(
+                f"speedup (tau {_tau_str(s.tau)}, batch {s.batch_size})",
+                value is not None and value >= s.min_speedup,
+                value,
+                _num(champion_tags or {}, key),
+                s.min_speedup,
+                f">= {s.min_speedup:g}x over AR",
+                "" if value is not None else f"not measured: no tag {key} (metrics/speed.json row for this model at tau {_tau_str(s.tau)}, batch {s.batch_size})",
+            )
+        )
+    return out
+
+
+# ---------------------------------------------------------------------------
+# Committing a decision safely
+
+
+class PromotionError(RuntimeError):
+    """A promotion that cannot be judged (no such model or version, no gates configured)."""
+
+
+class PromotionConflict(PromotionError):
+    """Another promotion changed the champion between this one's judgement and its commit."""
+
+
+class PromotionBusy(PromotionError):
+    """Another promotion of the same model held the lock for longer than the timeout."""
+
+
+def lock_path(model: str, root: Path, tracking_uri: str | None = None) -> Path:
+    """The lock file of a model's promotions: next to the SQLite store, else under `<root>/.gr2/`.
+
+    Against an MLflow server on another machine the file lock only serialises
+    promotions started from this file system (set GR2_PROMOTE_LOCK_DIR to a
+    shared folder); the compare-and-set and read-back checks still apply.
+    """
+    if env := os.environ.get("GR2_PROMOTE_LOCK_DIR"):
+        folder = Path(env)
+    elif tracking_uri and tracking_uri.startswith("sqlite:///"):
+        folder = Path(tracking_uri[len("sqlite:///") :]).resolve().parent
+    else:
+        folder = root / ".gr2"
+    slug = "".join(c if c.isalnum() or c in "-_." else "_" for c in model)
+    return folder / f".promote-{slug}.lock"
+
+
+@contextmanager
+def promotion_lock(path: Path, timeout_s: float) -> Iterator[None]:
+    """An exclusive fcntl lock on `path`, waited for up to `timeout_s` seconds.
+
+    flock locks belong to the open file description, so two threads of one
+    process exclude each other as two processes do; the kernel drops the lock
+    when the holder dies, so a crashed promotion never leaves it stuck.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "unknown"
+                    raise PromotionBusy(f"another promotion holds {path} ({holder}) for more than {timeout_s:g} s; try again later") from None
+                time.sleep(0.05)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} since {datetime.now(timezone.utc).isoformat(timespec='seconds')}\n".encode(), 0)
+        try:
+            yield
+        finally:
+            os.ftruncate(fd, 0)
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
+
+
+def _champion(client: Any, model: str) -> str | None:
+    version = client.get_registered_model(model).aliases.get(CHAMPION)
+    return None if version is None else str(version)
+
+
+def _decision_tags(decision: Decision, flow_run_id: str | None) -> dict[str, str]:
+    return {
+        "promotion.decision": decision.status,
+        "promotion.decided_at": decision.decided_at,
+        "promotion.champion_before": decision.champion_before or "none",
+        "promotion.failed_gates": ",".join(g.name for g in decision.failed),
+        "promotion.gates": json.dumps([asdict(g) for g in decision.gates])[:4900],
+        "promotion.summary": decision.summary()[:4900],
+        "promotion.prefect_flow_run_id": flow_run_id or "",
+    }
+
+
+def decide(client: Any, model: str, version: str | None, gates: ModelGates) -> Decision:
+    """Judge a version (default: the `challenger`) against the current champion; changes nothing."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        registered = client.get_registered_model(model)
+    except MlflowException as exc:
+        raise PromotionError(f"no registered model '{model}' in {client.tracking_uri}") from exc
+    if version is None:
+        version = registered.aliases.get(CHALLENGER)
+        if version is None:
+            raise PromotionError(f"{model} has no version with alias '{CHALLENGER}'; pass --version")
+    version = str(version)
+    try:
+        mv = client.get_model_version(model, version)
+    except MlflowException as exc:
+        raise PromotionError(f"{model} has no version {version}") from exc
+    champion = registered.aliases.get(CHAMPION)
+    champion = None if champion is None else str(champion)
+    now = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    if champion == version:
+        return Decision(model, version, champion, "already-champion", [], now)
+    champion_tags = dict(client.get_model_version(model, champion).tags) if champion else None
+    results = judge(dict(mv.tags), champion_tags, gates)
+    status = "promoted" if all(g.passed for g in results) else "refused"
+    return Decision(model, version, champion, status, results, now)
+
+
+def commit(client: Any, decision: Decision, lock: Path, timeout_s: float, flow_run_id: str | None = None) -> Decision:
+    """Record the decision on the version and, if promoted, move `champion`, all under the lock.
+
+    Compare-and-set: when the champion is no longer the one the decision was
+    judged against, nothing is written and PromotionConflict is raised. After
+    moving the alias it is read back; if anything after the move fails, the
+    alias is put back where it was, so the registry never holds half a promotion.
+    """
+    if decision.status == "already-champion":
+        return decision
+    model, version = decision.model, decision.version
+    with promotion_lock(lock, timeout_s):
+        current = _champion(client, model)
+        if current != decision.champion_before:
+            raise PromotionConflict(
+                f"{model}: the champion changed from {decision.champion_before or 'none'} to {current or 'none'} "
+                f"while version {version} was being judged (another promotion won the race); nothing was changed. "
+                f"Run the promotion again to judge version {version} against the new champion."
+            )
+        tags = _decision_tags(decision, flow_run_id)
+        if not decision.promoted:
+            for key, value in tags.items():
+                client.set_model_version_tag(model, version, key, value)
+            return decision
+        client.set_registered_model_alias(model, CHAMPION, version)
+        try:
+            now = _champion(client, model)
+            if now != version:
+                raise PromotionConflict(f"{model}: {CHAMPION} reads {now} right after setting it to {version}; another writer bypassed the lock")
+            for key, value in tags.items():
+                client.set_model_version_tag(model, version, key, value)
+            if decision.champion_before:
+                client.set_model_version_tag(model, decision.champion_before, "promotion.replaced_by", version)
+        except BaseException:
+            # Put the registry back as it was before this promotion.
+            if decision.champion_before:
+                client.set_registered_model_alias(model, CHAMPION, decision.champion_before)
+            else:
+                client.delete_registered_model_alias(model, CHAMPION)
+            raise
+    log.info("%s", decision.summary())
+    return decision
+
+
+def promote(
+    model: str,
+    version: str | None = None,
+    root: Path = Path("."),
+    config: PromoteConfig | None = None,
+    client: Any | None = None,
+    flow_run_id: str | None = None,
+    refresh: bool = True,
+) -> Decision:
+    """Judge `model` `version` (default: its challenger) through its gates and commit the decision.
+
+    With `refresh`, first re-reads this workspace's metrics files into the
+    versions' tags (`record_evaluations`), so numbers measured since the last
+    pipeline run count. Raises PromotionError (and its subclasses
+    PromotionConflict, PromotionBusy) when nothing could be decided or committed.
+    """
+    from mlflow import MlflowClient
+
+    root = root.resolve()
+    client = client or MlflowClient()
+    try:
+        config = config or load_promote_config(root)
+    except ParamsError as exc:
+        raise PromotionError(str(exc)) from exc
+    if model not in config.models:
+        raise PromotionError(f"no promotion gates for '{model}' in {root / 'params.yaml'} (promote.models has {sorted(config.models)})")
+    if refresh and (root / "dvc.lock").exists():
+        record_evaluations(root, client)
+    decision = decide(client, model, version, config.models[model])
+    return commit(client, decision, lock_path(model, root, client.tracking_uri), config.lock_timeout_s, flow_run_id)
+
+
+# ---------------------------------------------------------------------------
+# Prefect: the flow, and the task the pipeline runs after its stages
+
+@task(name="record-evaluations", retries=1, retry_delay_seconds=2, cache_policy=NO_CACHE)
+def record_evaluations_task(root: str) -> list[dict[str, Any]]:
+    """Tag the registered versions of this workspace with their params hash, eval metrics and speed."""
+    done = record_evaluations(Path(root))
+    for d in done:
+        get_run_logger().info("%s version %s (%s): %s", d["model"], d["version"], d["stage"], ", ".join(d["tagged"]) or "params hash")
+    return done
+
+
+@flow(name="gr2-promote")
+def promote_flow(model: str, version: str | None = None, root: str = ".") -> dict[str, Any]:
+    """Judge and commit a promotion; the gate table becomes a markdown artifact `gr2-promote-<model>`."""
+    from tasks.tracking import configure
+
+    rootp = Path(root).resolve()
+    configure(rootp)
+    decision = promote(model, version, rootp, flow_run_id=str(flow_run.get_id() or ""))
+    get_run_logger().info("%s\n%s", decision.summary(), decision.table())
+    key = "gr2-promote-" + "".join(c if c.isalnum() else "-" for c in model.lower())
+    create_markdown_artifact(decision.markdown(), key=key, description=decision.summary()[:500])
+    return decision.to_dict()

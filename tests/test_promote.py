@@ -1,0 +1,426 @@
+"""Promotion gates, the decision record, race safety, the evidence tags, the CLI and the Prefect flow.
+
+Versions here are registry entries with tags only (no model files): promotion
+reads nothing but tags, so a SQLite store in a temporary folder is enough. Each
+test uses its own model name in one module-wide store.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import shutil
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from flows.promote import (
+    CHAMPION,
+    Decision,
+    ModelGates,
+    PromoteConfig,
+    PromotionBusy,
+    PromotionConflict,
+    PromotionError,
+    SpeedGate,
+    commit,
+    decide,
+    eval_tag,
+    judge,
+    load_promote_config,
+    lock_path,
+    promote,
+    promotion_lock,
+    record_evaluations,
+    speed_tag,
+)
+from flows.registry import CHALLENGER, ModelStage
+
+ROOT = Path(__file__).resolve().parents[1]
+FIXTURES = Path(__file__).parent / "fixtures"
+
+GATES = ModelGates(split="test", metrics=["recall@1", "ndcg@3"], tolerance=0.005, min_valid_format=0.99)
+DIFFUSION_GATES = GATES.model_copy(update={"speed": SpeedGate(min_speedup=2.0, tau=0.9, batch_size=1)})
+
+
+def evals(r1: float, n3: float, valid: float = 1.0, split: str = "test") -> dict[str, str]:
+    return {eval_tag(split, "recall@1"): str(r1), eval_tag(split, "ndcg@3"): str(n3), eval_tag(split, "valid_format_rate"): str(valid)}
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return f"sqlite:///{tmp_path_factory.mktemp('registry') / 'mlflow.db'}"
+
+
+@pytest.fixture()
+def client(store: str):
+    from mlflow import MlflowClient
+
+    return MlflowClient(tracking_uri=store, registry_uri=store)
+
+
+@pytest.fixture()
+def model_name(request: pytest.FixtureRequest) -> str:
+    return "m-" + request.node.name.replace("[", "-").replace("]", "").replace("_", "-")[:60]
+
+
+def add_version(client, name: str, tags: dict[str, str], challenger: bool = True) -> str:
+    from mlflow.exceptions import MlflowException
+
+    try:
+        client.create_registered_model(name)
+    except MlflowException:
+        pass  # already there
+    mv = client.create_model_version(name, source="file:///nonexistent/model", tags=tags, await_creation_for=0)
+    if challenger:
+        client.set_registered_model_alias(name, CHALLENGER, str(mv.version))
+    return str(mv.version)
+
+
+def champion(client, name: str) -> str | None:
+    version = client.get_registered_model(name).aliases.get(CHAMPION)
+    return None if version is None else str(version)
+
+
+def run_promote(client, name: str, gates: ModelGates = GATES, version: str | None = None, root: Path = ROOT) -> Decision:
+    return promote(name, version, root, PromoteConfig(lock_timeout_s=5, models={name: gates}), client=client, refresh=False)
+
+
+# --- config ---------------------------------------------------------------------------------
+
+
+def test_project_params_have_gates_for_both_rerankers() -> None:
+    cfg = load_promote_config(ROOT)
+    assert cfg.models["gr2"].min_valid_format == 0.99 and cfg.models["gr2"].speed is None
+    assert cfg.models["diffusion-gr2"].speed is not None and cfg.models["diffusion-gr2"].speed.batch_size == 1
+    assert set(cfg.models["gr2"].metrics) == {"recall@1", "ndcg@3"}
+
+
+def test_bad_gate_params_name_the_field(tmp_path: Path, client) -> None:
+    params = {"promote": {"models": {"gr2": {"tolerence": 0.01, "min_valid_format": "high"}}}}
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
+    with pytest.raises(PromotionError) as err:
+        promote("gr2", None, tmp_path, client=client)
+    assert "promote.models.gr2.tolerence" in str(err.value) and "promote.models.gr2.min_valid_format" in str(err.value)
+
+
+def test_unknown_model_or_version_is_a_clear_error(client, model_name: str) -> None:
+    with pytest.raises(PromotionError, match="no promotion gates for 'nope'"):
+        promote("nope", None, ROOT, PromoteConfig(models={}), client=client, refresh=False)
+    with pytest.raises(PromotionError, match="no registered model"):
+        run_promote(client, model_name)
+    add_version(client, model_name, evals(0.3, 0.4), challenger=False)
+    with pytest.raises(PromotionError, match="no version with alias 'challenger'"):
+        run_promote(client, model_name)
+    with pytest.raises(PromotionError, match="has no version 7"):
+        run_promote(client, model_name, version="7")
+
+
+# --- gates (pure) ---------------------------------------------------------------------------
+
+
+def test_judge_tolerance_boundary_and_missing_numbers() -> None:
+    champ = evals(0.300, 0.400)
+    at_edge = {g.name: g for g in judge(evals(0.295, 0.395), champ, GATES)}
+    assert all(g.passed for g in at_edge.values())
+    assert at_edge["recall@1 (test)"].threshold == pytest.approx(0.295)
+    below = {g.name: g for g in judge(evals(0.2949, 0.41), champ, GATES)}
+    assert not below["recall@1 (test)"].passed and below["ndcg@3 (test)"].passed
+    missing = {g.name: g for g in judge({}, champ, GATES)}
+    assert not any(g.passed for g in missing.values())
+    assert "no tag eval.test.recall_at_1" in missing["recall@1 (test)"].note
+    no_champ_numbers = {g.name: g for g in judge(evals(0.3, 0.4), {}, GATES)}
+    assert "the champion has no tag" in no_champ_numbers["recall@1 (test)"].note
+
+
+def test_judge_speed_gate() -> None:
+    fast = {**evals(0.3, 0.4), speed_tag(0.9, 1, "speedup"): "2.4"}
+    slow = {**evals(0.3, 0.4), speed_tag(0.9, 1, "speedup"): "1.7", speed_tag(0.5, 1, "speedup"): "3.1"}
+    assert all(g.passed for g in judge(fast, None, DIFFUSION_GATES))
+    gate = judge(slow, None, DIFFUSION_GATES)[-1]
+    assert gate.name == "speedup (tau 0.9, batch 1)" and not gate.passed and gate.value == 1.7 and gate.threshold == 2.0
+    unmeasured = judge(evals(0.3, 0.4), None, DIFFUSION_GATES)[-1]
+    assert not unmeasured.passed and "not measured" in unmeasured.note and "tau 0.9, batch 1" in unmeasured.note
+
+
+# --- decisions in the registry --------------------------------------------------------------
+
+
+def test_first_gated_version_becomes_champion_then_nothing_to_do(client, model_name: str) -> None:
+    v = add_version(client, model_name, evals(0.30, 0.40))
+    d = run_promote(client, model_name)
+    assert d.status == "promoted" and d.champion_before is None
+    assert champion(client, model_name) == v
+    tags = client.get_model_version(model_name, v).tags
+    assert tags["promotion.decision"] == "promoted" and tags["promotion.champion_before"] == "none"
+    assert json.loads(tags["promotion.gates"])[0]["value"] == 0.30
+    again = run_promote(client, model_name)
+    assert again.status == "already-champion" and champion(client, model_name) == v
+
+
+def test_first_version_must_still_pass_absolute_gates(client, model_name: str) -> None:
+    v = add_version(client, model_name, evals(0.30, 0.40, valid=0.95))
+    d = run_promote(client, model_name)
+    assert d.status == "refused" and champion(client, model_name) is None
+    assert "valid_format_rate (test) 0.9500 < 0.9900" in d.summary() and "still no champion" in d.summary()
+    assert client.get_model_version(model_name, v).tags["promotion.failed_gates"] == "valid_format_rate (test)"
+
+
+def test_refusal_names_the_gate_and_numbers_and_keeps_the_champion(client, model_name: str) -> None:
+    v1 = add_version(client, model_name, evals(0.30, 0.40))
+    run_promote(client, model_name)
+    v2 = add_version(client, model_name, evals(0.28, 0.41))
+    d = run_promote(client, model_name)
+    assert d.status == "refused" and champion(client, model_name) == v1
+    assert f"REFUSED {model_name} version {v2} (champion stays version {v1})" in d.summary()
+    assert "recall@1 (test) 0.2800 < 0.2950 (rule >= champion - 0.005)" in d.summary()
+    assert "ndcg@3" not in d.summary()  # only failed gates are reasons
+    table = d.table()
+    assert "recall@1 (test)" in table and "FAIL" in table and "0.3000" in table  # the champion's number too
+    tags = client.get_model_version(model_name, v2).tags
+    assert tags["promotion.decision"] == "refused" and tags["promotion.champion_before"] == v1
+    gates = {g["name"]: g for g in json.loads(tags["promotion.gates"])}
+    assert gates["recall@1 (test)"]["value"] == 0.28 and gates["recall@1 (test)"]["reference"] == 0.30
+
+
+def test_within_tolerance_promotes_and_marks_the_old_champion(client, model_name: str) -> None:
+    v1 = add_version(client, model_name, evals(0.30, 0.40))
+    run_promote(client, model_name)
+    v2 = add_version(client, model_name, evals(0.297, 0.399))
+    d = run_promote(client, model_name)
+    assert d.promoted and champion(client, model_name) == v2
+    assert client.get_model_version(model_name, v1).tags["promotion.replaced_by"] == v2
+    assert str(client.get_registered_model(model_name).aliases[CHALLENGER]) == v2  # the challenger alias is left alone
+
+
+def test_explicit_version(client, model_name: str) -> None:
+    v1 = add_version(client, model_name, evals(0.30, 0.40), challenger=False)
+    add_version(client, model_name, evals(0.10, 0.10))
+    assert run_promote(client, model_name, version=v1).promoted and champion(client, model_name) == v1
+
+
+def test_diffusion_needs_the_speed_floor(client, model_name: str) -> None:
+    v1 = add_version(client, model_name, {**evals(0.30, 0.40), speed_tag(0.9, 1, "speedup"): "1.8"})
+    d = run_promote(client, model_name, DIFFUSION_GATES)
+    assert d.status == "refused" and "speedup (tau 0.9, batch 1) 1.8000 < 2.0000" in d.summary()
+    client.set_model_version_tag(model_name, v1, speed_tag(0.9, 1, "speedup"), "2.6")
+    assert run_promote(client, model_name, DIFFUSION_GATES).promoted
+
+
+# --- race safety ----------------------------------------------------------------------------
+
+
+def test_two_racing_promotions_exactly_one_wins(client, model_name: str) -> None:
+    """Both judge against 'no champion', then both commit at once: one wins, the other changes nothing."""
+    va = add_version(client, model_name, evals(0.30, 0.40))
+    vb = add_version(client, model_name, evals(0.31, 0.41))
+    decisions = [decide(client, model_name, v, GATES) for v in (va, vb)]
+    assert all(d.promoted and d.champion_before is None for d in decisions)
+    lock = lock_path(model_name, ROOT, client.tracking_uri)
+    barrier = threading.Barrier(2)
+    results: dict[str, Any] = {}
+
+    def go(d: Decision) -> None:
+        barrier.wait()
+        try:
+            results[d.version] = commit(client, d, lock, timeout_s=10)
+        except Exception as exc:  # noqa: BLE001 - the test inspects it
+            results[d.version] = exc
+
+    threads = [threading.Thread(target=go, args=(d,)) for d in decisions]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    winners = [v for v, r in results.items() if isinstance(r, Decision)]
+    losers = [r for r in results.values() if not isinstance(r, Decision)]
+    assert len(winners) == 1 and len(losers) == 1, results
+    assert isinstance(losers[0], PromotionConflict)
+    assert "the champion changed from none to" in str(losers[0]) and "nothing was changed" in str(losers[0])
+    assert champion(client, model_name) == winners[0]
+    loser_version = ({va, vb} - set(winners)).pop()
+    assert not any(k.startswith("promotion.") for k in client.get_model_version(model_name, loser_version).tags)
+
+
+def test_a_held_lock_makes_the_other_promotion_fail_clearly(client, model_name: str) -> None:
+    add_version(client, model_name, evals(0.30, 0.40))
+    d = decide(client, model_name, None, GATES)
+    lock = lock_path(model_name, ROOT, client.tracking_uri)
+    assert lock.parent == Path(client.tracking_uri[len("sqlite:///") :]).parent  # next to the SQLite store
+    with promotion_lock(lock, timeout_s=1):
+        with pytest.raises(PromotionBusy, match=r"another promotion holds .* \(pid \d+ since"):
+            commit(client, d, lock, timeout_s=0.3)
+    assert champion(client, model_name) is None
+    assert commit(client, d, lock, timeout_s=1).promoted  # released
+
+
+def test_a_failure_after_moving_the_alias_puts_it_back(client, model_name: str) -> None:
+    v1 = add_version(client, model_name, evals(0.30, 0.40))
+    run_promote(client, model_name)
+    add_version(client, model_name, evals(0.31, 0.41))
+    d = decide(client, model_name, None, GATES)
+
+    class Flaky:
+        """The real client, except that writing tags fails (e.g. the store went away)."""
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(client, name)
+
+        def set_model_version_tag(self, *args: Any) -> None:
+            raise RuntimeError("store unavailable")
+
+    with pytest.raises(RuntimeError, match="store unavailable"):
+        commit(Flaky(), d, lock_path(model_name, ROOT, client.tracking_uri), timeout_s=1)
+    assert champion(client, model_name) == v1
+
+
+def _race_in_process(store: str, name: str, version: str, barrier: Any, out: Any) -> None:
+    from mlflow import MlflowClient
+
+    c = MlflowClient(tracking_uri=store, registry_uri=store)
+    d = decide(c, name, version, GATES)
+    barrier.wait()
+    try:
+        commit(c, d, lock_path(name, ROOT, store), timeout_s=20)
+        out.put((version, "won"))
+    except PromotionConflict as exc:
+        out.put((version, f"conflict: {exc}"))
+
+
+@pytest.mark.integration
+def test_two_processes_racing(store: str, client, model_name: str) -> None:
+    va = add_version(client, model_name, evals(0.30, 0.40))
+    vb = add_version(client, model_name, evals(0.31, 0.41))
+    ctx = mp.get_context("spawn")
+    barrier, out = ctx.Barrier(2), ctx.Queue()
+    procs = [ctx.Process(target=_race_in_process, args=(store, model_name, v, barrier, out)) for v in (va, vb)]
+    for p in procs:
+        p.start()
+    results = dict(out.get(timeout=60) for _ in procs)
+    for p in procs:
+        p.join(30)
+    assert sorted(r.split(":")[0] for r in results.values()) == ["conflict", "won"], results
+    winner = next(v for v, r in results.items() if r == "won")
+    assert champion(client, model_name) == winner
+
+
+# --- evidence tags from the workspace's metrics files ---------------------------------------
+
+
+def _workspace(tmp_path: Path, ckpt_md5: str, evaluated_md5: str) -> Path:
+    """A fake project root: dvc.lock with a cft stage and an evaluate stage that read its checkpoint."""
+    lock = {
+        "schema": "2.0",
+        "stages": {
+            "cft": {
+                "cmd": "python -m tasks.cft",
+                "params": {"params.yaml": {"cft": {"block_size": 32}}},
+                "outs": [{"path": "checkpoints/dgr2-cft", "md5": ckpt_md5}],
+            },
+            "evaluate": {
+                "cmd": "python -m tasks.evaluate",
+                "deps": [{"path": "checkpoints/dgr2-cft", "md5": evaluated_md5}],
+                "outs": [{"path": "metrics/evaluate.json", "md5": "e"}, {"path": "metrics/speed.json", "md5": "s"}],
+            },
+        },
+    }
+    (tmp_path / "dvc.lock").write_text(yaml.safe_dump(lock))
+    (tmp_path / "metrics").mkdir()
+    evaluation = {"dgr2-cft": {"test": {"recall@1": 0.291, "ndcg@3": 0.41, "valid_format_rate": 0.995, "n": 1615}}}
+    (tmp_path / "metrics/evaluate.json").write_text(json.dumps(evaluation))
+    shutil.copy(FIXTURES / "speed.json", tmp_path / "metrics/speed.json")
+    return tmp_path
+
+
+@pytest.fixture()
+def cft_stage(monkeypatch: pytest.MonkeyPatch, model_name: str) -> ModelStage:
+    spec = ModelStage("cft", model_name, "checkpoints/dgr2-cft")
+    monkeypatch.setattr("flows.promote.MODEL_STAGES", {"cft": spec})
+    return spec
+
+
+def test_record_evaluations_tags_the_version_of_that_checkpoint(tmp_path: Path, client, model_name: str, cft_stage: ModelStage) -> None:
+    root = _workspace(tmp_path, "abc.dir", "abc.dir")
+    v = add_version(client, model_name, {"checkpoint_md5": "abc.dir", "stage": "cft"})
+    other = add_version(client, model_name, {"checkpoint_md5": "old.dir", "stage": "cft"})
+    done = record_evaluations(root, client)
+    assert done == [{"model": model_name, "version": v, "stage": "cft", "tagged": ["eval", "speed"]}]
+    tags = client.get_model_version(model_name, v).tags
+    assert float(tags["eval.test.recall_at_1"]) == 0.291 and float(tags["eval.test.valid_format_rate"]) == 0.995
+    assert tags["eval.model"] == "dgr2-cft" and tags["eval.checkpoint_md5"] == "abc.dir"
+    assert float(tags[speed_tag(0.9, 1, "speedup")]) == 2.5 and float(tags[speed_tag(0.9, 16, "speedup")]) == 1.6
+    assert tags[speed_tag(0.5, 1, "decoder")] == "diffusion"
+    assert len(tags["dvc.params.md5"]) == 32
+    assert not any(k.startswith(("eval.", "speed.")) for k in client.get_model_version(model_name, other).tags)
+    # the fixture's numbers pass the project's diffusion gates
+    d = promote(model_name, v, root, PromoteConfig(models={model_name: load_promote_config(ROOT).models["diffusion-gr2"]}), client=client)
+    assert d.promoted, d.table()
+
+
+def test_numbers_measured_on_another_checkpoint_are_not_attached(tmp_path: Path, client, model_name: str, cft_stage: ModelStage) -> None:
+    root = _workspace(tmp_path, "new.dir", "stale.dir")
+    v = add_version(client, model_name, {"checkpoint_md5": "new.dir"})
+    assert record_evaluations(root, client)[0]["tagged"] == []
+    assert not any(k.startswith(("eval.", "speed.")) for k in client.get_model_version(model_name, v).tags)
+    # and so the version cannot be promoted on them
+    d = promote(model_name, v, root, PromoteConfig(models={model_name: DIFFUSION_GATES}), client=client)
+    assert d.status == "refused" and "not evaluated" in d.summary()
+
+
+# --- CLI and Prefect flow -------------------------------------------------------------------
+
+
+@pytest.fixture()
+def cli_root(tmp_path: Path, store: str, monkeypatch: pytest.MonkeyPatch, model_name: str) -> Path:
+    import mlflow
+
+    params = {"promote": {"lock_timeout_s": 5, "models": {model_name: GATES.model_dump()}}}
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", store)
+    before = mlflow.get_tracking_uri()
+    mlflow.set_tracking_uri(store)  # another test module may have set a global URI
+    yield tmp_path
+    mlflow.set_tracking_uri(before)
+
+
+def test_cli_promote_prints_the_decision_and_exit_codes(cli_root: Path, client, model_name: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from flows.cli import main
+
+    add_version(client, model_name, evals(0.30, 0.40))
+    assert main(["--root", str(cli_root), "promote", model_name, "--no-flow"]) == 0
+    out = capsys.readouterr().out
+    assert f"PROMOTED {model_name} version 1 to champion (before: no champion)" in out and "recall@1 (test)" in out
+    add_version(client, model_name, evals(0.20, 0.40))
+    assert main(["--root", str(cli_root), "promote", model_name, "--no-flow"]) == 1
+    out = capsys.readouterr().out
+    assert "REFUSED" in out and "recall@1 (test) 0.2000 < 0.2950" in out and "FAIL" in out
+    assert main(["--root", str(cli_root), "promote", "not-configured", "--no-flow"]) == 2
+
+
+@pytest.mark.integration
+def test_promote_flow_records_a_markdown_artifact(prefect_harness, cli_root: Path, client, model_name: str) -> None:
+    import asyncio
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    from flows.promote import promote_flow
+
+    v = add_version(client, model_name, evals(0.30, 0.40, valid=0.5))
+    result = promote_flow(model_name, None, str(cli_root))
+    assert result["status"] == "refused" and not result["promoted"]
+    tags = client.get_model_version(model_name, v).tags
+    assert tags["promotion.prefect_flow_run_id"]  # the decision names its flow run
+    key = "gr2-promote-" + model_name
+
+    async def read() -> list[Any]:
+        async with get_client() as pc:
+            return await pc.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key])))
+
+    artifacts = asyncio.run(read())
+    assert len(artifacts) == 1 and artifacts[0].type == "markdown"
+    assert "REFUSED" in artifacts[0].data and "| valid_format_rate (test) | 0.5000 |" in artifacts[0].data
+    assert str(artifacts[0].flow_run_id) == tags["promotion.prefect_flow_run_id"]
