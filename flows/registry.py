@@ -10,6 +10,7 @@ shared/notes/STACK.md), tagged with its stage and lineage, and given the alias
 from __future__ import annotations
 
 import logging
+from collections.abc import Container
 from dataclasses import dataclass
 from importlib.metadata import version
 from pathlib import Path
@@ -70,6 +71,147 @@ class RetrieverModel(mlflow.pyfunc.PythonModel):
         return pd.DataFrame({"candidates": ids.tolist(), "scores": scores.tolist()})
 
 
+MAX_ROWS_PER_REQUEST = 256
+_RERANK_COLUMNS = ("history", "candidates")
+
+
+def _bad_request(problems: list[str]) -> Exception:
+    """An error the scoring server answers with HTTP 400 and this message."""
+    from mlflow.exceptions import MlflowException
+    from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE
+
+    shown = problems[:20] + ([f"... and {len(problems) - 20} more"] if len(problems) > 20 else [])
+    return MlflowException("invalid re-ranking request: " + "; ".join(shown), error_code=INVALID_PARAMETER_VALUE)
+
+
+def _as_records(model_input: Any) -> list[dict[str, Any]]:
+    """Rows of a DataFrame, a dict of columns, or a list of dicts, as dicts (no value converted)."""
+    if isinstance(model_input, pd.DataFrame):
+        columns = list(model_input.columns)
+        rows = [dict(zip(columns, values, strict=True)) for values in model_input.itertuples(index=False, name=None)]
+    elif isinstance(model_input, dict) and model_input:
+        columns = list(model_input)
+        lengths = {c: len(v) if hasattr(v, "__len__") and not isinstance(v, (str, bytes)) else -1 for c, v in model_input.items()}
+        if len(set(lengths.values())) != 1 or -1 in lengths.values():
+            raise _bad_request([f"columns must be lists of the same length (one entry per row), got lengths {lengths}"])
+        n = next(iter(lengths.values()), 0)
+        rows = [{c: model_input[c][i] for c in columns} for i in range(n)]
+    elif isinstance(model_input, (dict, list)) and all(isinstance(r, dict) for r in model_input):  # {} or [] too
+        rows = list(model_input) if isinstance(model_input, list) else []
+        columns = sorted({c for r in rows for c in r})
+    else:
+        raise _bad_request([f"expected rows with columns {list(_RERANK_COLUMNS)}, got {type(model_input).__name__}"])
+    if not rows:
+        raise _bad_request(["no rows: send at least one row with history and candidates"])
+    missing = [c for c in _RERANK_COLUMNS if c not in columns]
+    unknown = [c for c in columns if c not in _RERANK_COLUMNS]
+    problems = [f"missing column '{c}'" for c in missing] + [f"unknown column '{c}' (expected {list(_RERANK_COLUMNS)})" for c in unknown]
+    if problems:
+        raise _bad_request(problems)
+    return rows
+
+
+def _item_list(value: Any) -> tuple[list[int] | None, str]:
+    """(item ids, "") for a list of integers, else (None, what is wrong with the value)."""
+    import numpy as np
+
+    if value is None or (isinstance(value, float) and value != value):
+        return None, "missing"
+    if isinstance(value, (str, bytes, dict)) or not isinstance(value, (list, tuple, np.ndarray)):
+        return None, f"must be a list of integer item ids, got {type(value).__name__} {str(value)[:40]!r}"
+    out = []
+    for x in value:
+        if isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, np.integer)):
+            return None, f"must be a list of integer item ids, got {type(x).__name__} {str(x)[:40]!r}"
+        out.append(int(x))
+    return out, ""
+
+
+def validate_rerank_input(model_input: Any, known_items: Container[int], num_candidates: int | None) -> tuple[list[list[int]], list[list[int]]]:
+    """Check a re-ranking request before any decoding; return its (histories, candidate lists).
+
+    Every re-ranker's pyfunc (AR and diffusion) calls this first. A request is
+    rows with `history` (a non-empty list of item ids, oldest first) and
+    `candidates` (`num_candidates` distinct item ids, in the incoming order);
+    every id must be in `known_items` (the model's `items` artifact).
+
+    Raises:
+        MlflowException (INVALID_PARAMETER_VALUE, HTTP 400 when served): every
+            problem found, each naming its row and field.
+    """
+    rows = _as_records(model_input)
+    if len(rows) > MAX_ROWS_PER_REQUEST:
+        raise _bad_request([f"{len(rows)} rows; at most {MAX_ROWS_PER_REQUEST} per request"])
+    problems: list[str] = []
+    histories: list[list[int]] = []
+    candidate_lists: list[list[int]] = []
+    for i, row in enumerate(rows):
+        history, why = _item_list(row.get("history"))
+        if history is None:
+            problems.append(f"row {i}: history: {why}")
+        elif not history:
+            problems.append(f"row {i}: history: empty; the model needs at least one item the user interacted with")
+        elif unknown := sorted({x for x in history if x not in known_items}):
+            problems.append(f"row {i}: history: unknown item ids {unknown[:10]} (not in the model's items)")
+        candidates, why = _item_list(row.get("candidates"))
+        if candidates is None:
+            problems.append(f"row {i}: candidates: {why}")
+        else:
+            if num_candidates is not None and len(candidates) != num_candidates:
+                problems.append(f"row {i}: candidates: {len(candidates)} items; the model ranks exactly {num_candidates}")
+            elif len(candidates) < 2:
+                problems.append(f"row {i}: candidates: {len(candidates)} items; at least 2 are needed to rank")
+            if dup := sorted({x for x in candidates if candidates.count(x) > 1}):
+                problems.append(f"row {i}: candidates: duplicated item ids {dup}")
+            if unknown := sorted({x for x in candidates if x not in known_items}):
+                problems.append(f"row {i}: candidates: unknown item ids {unknown[:10]} (not in the model's items)")
+        histories.append(history or [])
+        candidate_lists.append(candidates or [])
+    if problems:
+        raise _bad_request(problems)
+    return histories, candidate_lists
+
+
+def rerank_params(params: dict[str, Any] | None) -> dict[str, Any]:
+    """The decoding params of a re-ranking request, checked: `max_new_tokens` (1..4096, default
+    320) and `tau` (the diffusion commit threshold, in (0, 1], default 0.9)."""
+    params = dict(params or {})
+    problems = [f"params: unknown key '{k}' (expected max_new_tokens, tau)" for k in params if k not in ("max_new_tokens", "tau")]
+    max_new = params.get("max_new_tokens", 320)
+    if isinstance(max_new, bool) or not isinstance(max_new, int) or not 1 <= max_new <= 4096:
+        problems.append(f"params: max_new_tokens must be an integer in 1..4096, got {max_new!r}")
+    tau = params.get("tau", 0.9)
+    if isinstance(tau, bool) or not isinstance(tau, (int, float)) or not 0.0 < float(tau) <= 1.0:
+        problems.append(f"params: tau must be a number in (0, 1], got {tau!r}")
+    if problems:
+        raise _bad_request(problems)
+    return {"max_new_tokens": int(max_new), "tau": float(tau)}
+
+
+def reranker_log_kwargs(root: Path) -> dict[str, Any]:
+    """`log_model` arguments of a re-ranker besides its artifacts.
+
+    - model_config: the number of candidates it was trained to rank (the length
+      of the pre-ranker's lists in data/candidates), which requests must match;
+    - signature: a params schema only. Without one MLflow drops every inference
+      param (max_new_tokens, tau) with a warning; without an input schema the
+      rows reach `validate_rerank_input`, whose errors say more than MLflow's
+      schema enforcement would.
+    """
+    import polars as pl
+    from mlflow.models import ModelSignature
+    from mlflow.types import ParamSchema, ParamSpec
+
+    config: dict[str, Any] = {}
+    path = root / "data/candidates/test.parquet"
+    if path.exists():
+        lengths = pl.read_parquet(path, columns=["candidates"])["candidates"].list.len()
+        if len(lengths):
+            config["num_candidates"] = int(lengths.max())
+    params = ParamSchema([ParamSpec("max_new_tokens", "long", 320), ParamSpec("tau", "double", 0.9)])
+    return {"model_config": config, "signature": ModelSignature(inputs=None, outputs=None, params=params)}
+
+
 class GR2Model(mlflow.pyfunc.PythonModel):
     """Serves a re-ranker, AR or block diffusion: input `history` and `candidates` (item-id lists), output the ranking.
 
@@ -92,19 +234,19 @@ class GR2Model(mlflow.pyfunc.PythonModel):
         self.model, self.tok = load_hf_checkpoint(Path(context.artifacts["checkpoint"]))
         self.items = ItemText(pl.read_parquet(context.artifacts["items"]))
         self.fmt = FormatConfig(**json.loads(Path(context.artifacts["format"]).read_text()))
+        self.num_candidates = (context.model_config or {}).get("num_candidates")
 
     def predict(self, context: Any, model_input: pd.DataFrame, params: dict[str, Any] | None = None) -> pd.DataFrame:
         import polars as pl
 
         from gr2model.rerank_eval import decoder_kwargs, lm_rerank
 
-        lists = pl.DataFrame(
-            {"history": [list(map(int, h)) for h in model_input["history"]], "candidates": [list(map(int, c)) for c in model_input["candidates"]]},
-            schema={"history": pl.List(pl.Int64), "candidates": pl.List(pl.Int64)},
-        )
-        params = params or {}
-        kwargs = decoder_kwargs(self.model, float(params.get("tau", 0.9)))
-        out = lm_rerank(self.model, self.tok, lists, self.items, self.fmt, max_new_tokens=int(params.get("max_new_tokens", 320)), **kwargs)
+        # Validate everything before decoding: a bad request is a 400 naming the row and field.
+        histories, candidates = validate_rerank_input(model_input, self.items, self.num_candidates)
+        params = rerank_params(params)
+        lists = pl.DataFrame({"history": histories, "candidates": candidates}, schema={"history": pl.List(pl.Int64), "candidates": pl.List(pl.Int64)})
+        kwargs = decoder_kwargs(self.model, params["tau"])
+        out = lm_rerank(self.model, self.tok, lists, self.items, self.fmt, max_new_tokens=params["max_new_tokens"], **kwargs)
         return pd.DataFrame(
             {
                 "ranking": [p.ranking for p in out.parsed],
@@ -153,6 +295,7 @@ def register_checkpoint(
             python_model=PYFUNC_CLASSES[spec.model_name](),
             artifacts={"checkpoint": str(root / spec.checkpoint), **{name: str(root / path) for name, path in spec.extra_artifacts}},
             pip_requirements=pip_requirements(),
+            **(reranker_log_kwargs(root) if PYFUNC_CLASSES[spec.model_name] is GR2Model else {}),
             registered_model_name=spec.model_name,
         )
     mv = info.registered_model_version

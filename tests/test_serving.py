@@ -1,0 +1,234 @@
+"""The champion re-ranker served over real HTTP by `mlflow models serve --env-manager local`.
+
+The model is the one the smoke pipeline registered (session fixture `smoke_run`):
+`diffusion-gr2` when the pipeline registers one, else `gr2`. It becomes
+`champion` through the real promotion path (gates relaxed: a smoke model is
+trained for seconds and mostly answers invalidly, which the output reports).
+One server for the module on a free loopback port, stopped by its process id.
+The request check itself (`validate_rerank_input`) is also tested directly, fast.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+STARTUP_TIMEOUT_S = 120  # measured ~15 s on a loaded 2-core machine
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _post(url: str, body: bytes | str | dict[str, Any], content_type: str = "application/json") -> tuple[int, Any]:
+    data = body if isinstance(body, bytes) else (body if isinstance(body, str) else json.dumps(body)).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": content_type}, method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            status, text = resp.status, resp.read().decode()
+    except urllib.error.HTTPError as err:
+        status, text = err.code, err.read().decode()
+    try:
+        return status, json.loads(text)
+    except json.JSONDecodeError:
+        return status, text
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """Stop the server and its uvicorn worker: they share the process group we started it in."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def served(smoke_run: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    import polars as pl
+    from mlflow import MlflowClient
+
+    from flows.promote import ModelGates, PromoteConfig, promote
+
+    ws: Path = smoke_run["ws"]
+    store = f"sqlite:///{ws / 'mlflow.db'}"
+    client = MlflowClient(tracking_uri=store, registry_uri=store)
+    names = {m.name for m in client.search_registered_models()}
+    name = "diffusion-gr2" if "diffusion-gr2" in names else "gr2"
+    relaxed = ModelGates(tolerance=1.0, min_valid_format=0.0)
+    decision = promote(name, None, ws, PromoteConfig(models={name: relaxed}), client=client)
+    assert decision.status in ("promoted", "already-champion"), decision.summary()
+
+    port = _free_port()
+    bin_dir = Path(sys.executable).parent
+    env = {
+        **os.environ,
+        "MLFLOW_TRACKING_URI": store,
+        "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",  # --env-manager local runs the venv's uvicorn
+        "OMP_NUM_THREADS": "1",
+    }
+    log_path = tmp_path_factory.mktemp("serve") / "server.log"
+    cmd = [str(bin_dir / "mlflow"), "models", "serve", "-m", f"models:/{name}@champion", "--env-manager", "local", "-h", "127.0.0.1", "-p", str(port)]
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"mlflow models serve exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}")
+            try:
+                with urllib.request.urlopen(f"{url}/ping", timeout=2) as resp:
+                    if resp.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"server not ready after {STARTUP_TIMEOUT_S} s:\n{log_path.read_text()[-3000:]}")
+            time.sleep(0.5)
+        rows = pl.read_parquet(ws / "data/candidates/test.parquet").head(2)
+        yield {
+            "url": url,
+            "name": name,
+            "version": decision.version,
+            "rows": [{"history": h, "candidates": c} for h, c in zip(rows["history"].to_list(), rows["candidates"].to_list(), strict=True)],
+            "max_item": int(pl.read_parquet(ws / "data/prepared/items.parquet")["item_id"].max()),
+            "proc": proc,
+        }
+    finally:
+        _stop(proc)
+    assert proc.poll() is not None
+
+
+@pytest.mark.integration
+def test_served_champion_ranks_real_requests(served: dict[str, Any]) -> None:
+    rows = served["rows"]
+    status, body = _post(f"{served['url']}/invocations", {"dataframe_records": rows, "params": {"max_new_tokens": 24}})
+    assert status == 200, body
+    preds = body["predictions"]
+    assert len(preds) == len(rows)
+    for pred, row in zip(preds, rows, strict=True):
+        assert sorted(pred["ranking"]) == sorted(row["candidates"])  # a permutation, even when the answer was invalid
+        assert isinstance(pred["valid"], bool) and isinstance(pred["explanation"], str)
+    # the other JSON layout (columns) gives the same kind of answer
+    cols = {"history": [rows[0]["history"]], "candidates": [rows[0]["candidates"]]}
+    status, body = _post(f"{served['url']}/invocations", {"inputs": cols, "params": {"max_new_tokens": 8, "tau": 0.5}})
+    assert status == 200, body
+    assert sorted(body["predictions"][0]["ranking"]) == sorted(rows[0]["candidates"])
+
+
+def _bad_requests(served: dict[str, Any]) -> dict[str, tuple[Any, str]]:
+    """name -> (request body, what the 4xx answer must say)."""
+    row = served["rows"][0]
+    h, c = row["history"], row["candidates"]
+    unknown = served["max_item"] + 1000
+    rec = lambda **kw: {"dataframe_records": [{"history": h, "candidates": c, **kw}]}  # noqa: E731
+    return {
+        "unknown candidate": (rec(candidates=[*c[:-1], unknown]), f"row 0: candidates: unknown item ids [{unknown}]"),
+        "unknown history item": (rec(history=[*h, unknown]), f"row 0: history: unknown item ids [{unknown}]"),
+        "too few candidates": (rec(candidates=c[:-1]), f"row 0: candidates: {len(c) - 1} items; the model ranks exactly {len(c)}"),
+        "too many candidates": (rec(candidates=[*c, h[0]]), f"items; the model ranks exactly {len(c)}"),
+        "duplicated candidates": (rec(candidates=[*c[:-1], c[0]]), f"row 0: candidates: duplicated item ids [{c[0]}]"),
+        "empty history": (rec(history=[]), "row 0: history: empty"),
+        "history as a string": (rec(history="1 2 3"), "row 0: history: must be a list of integer item ids, got str"),
+        "candidates as floats": (rec(candidates=[x + 0.5 for x in c]), "row 0: candidates: must be a list of integer item ids, got float"),
+        "history missing": (rec(history=None), "row 0: history: missing"),
+        "second row bad": ({"dataframe_records": [{"history": h, "candidates": c}, {"history": h, "candidates": [True] * len(c)}]}, "row 1: candidates: must be a list of integer item ids, got bool"),
+        "missing column": ({"dataframe_records": [{"history": h}]}, "missing column 'candidates'"),
+        "misspelt column": ({"dataframe_records": [{"history": h, "candidates": c, "candidate": c}]}, "unknown column 'candidate'"),
+        "no rows": ({"dataframe_records": []}, "no rows"),
+        "bad tau": ({**rec(), "params": {"tau": 1.5}}, "params: tau must be a number in (0, 1]"),
+        "bad max_new_tokens": ({**rec(), "params": {"max_new_tokens": "many"}}, "max_new_tokens"),
+        "not JSON": ("{history: [1, 2", "Invalid input"),
+        "no data key": ({"rows": [row]}, "dataframe_records"),
+    }
+
+
+@pytest.mark.integration
+def test_bad_requests_get_a_4xx_that_says_what_is_wrong(served: dict[str, Any]) -> None:
+    failures = []
+    for name, (body, expected) in _bad_requests(served).items():
+        status, answer = _post(f"{served['url']}/invocations", body)
+        message = answer.get("message", "") if isinstance(answer, dict) else str(answer)
+        if not (400 <= status < 500 and expected in message):
+            failures.append(f"{name}: HTTP {status}, {message[:300]!r} (expected 4xx saying {expected!r})")
+    status, answer = _post(f"{served['url']}/invocations", "history,candidates\n1,2\n", content_type="text/plain")
+    if status != 415:
+        failures.append(f"wrong content type: HTTP {status}")
+    assert not failures, "\n".join(failures)
+    # none of them took the server down
+    assert served["proc"].poll() is None
+    status, body = _post(f"{served['url']}/invocations", {"dataframe_records": served["rows"][:1], "params": {"max_new_tokens": 8}})
+    assert status == 200, body
+
+
+# --- the request check without a server (fast) ----------------------------------------------
+
+KNOWN = set(range(1, 101))
+CANDS = list(range(10, 20))
+
+
+def _problems(model_input: Any, num_candidates: int | None = 10) -> str:
+    from mlflow.exceptions import MlflowException
+
+    from flows.registry import validate_rerank_input
+
+    with pytest.raises(MlflowException) as err:
+        validate_rerank_input(model_input, KNOWN, num_candidates)
+    assert err.value.get_http_status_code() == 400
+    return err.value.message
+
+
+def test_valid_input_in_every_layout() -> None:
+    import numpy as np
+    import pandas as pd
+
+    from flows.registry import validate_rerank_input
+
+    want = ([[1, 2]], [CANDS])
+    assert validate_rerank_input(pd.DataFrame({"history": [[1, 2]], "candidates": [CANDS]}), KNOWN, 10) == want
+    assert validate_rerank_input({"history": np.array([[1, 2]]), "candidates": np.array([CANDS])}, KNOWN, 10) == want
+    assert validate_rerank_input([{"history": (1, 2), "candidates": CANDS}], KNOWN, 10) == want
+    assert validate_rerank_input([{"history": [1], "candidates": [10, 11, 12]}], KNOWN, None) == ([[1]], [[10, 11, 12]])
+
+
+def test_every_problem_is_named_with_its_row_and_field() -> None:
+    import pandas as pd
+
+    msg = _problems(pd.DataFrame({"history": [[1], [], "1 2", [1, 500]], "candidates": [CANDS, CANDS[:9], [*CANDS[:9], 10], [*CANDS[:9], 1.5]]}))
+    assert "row 0" not in msg
+    assert "row 1: history: empty" in msg and "row 1: candidates: 9 items; the model ranks exactly 10" in msg
+    assert "row 2: history: must be a list of integer item ids, got str '1 2'" in msg and "row 2: candidates: duplicated item ids [10]" in msg
+    assert "row 3: history: unknown item ids [500]" in msg and "row 3: candidates: must be a list of integer item ids, got float" in msg
+    assert "missing column 'candidates'" in _problems([{"history": [1]}])
+    assert "unknown column 'k'" in _problems([{"history": [1], "candidates": CANDS, "k": 3}])
+    assert "no rows" in _problems({}) and "no rows" in _problems(pd.DataFrame({"history": [], "candidates": []}))
+    assert "at least 2 are needed" in _problems([{"history": [1], "candidates": [10]}], num_candidates=None)
+    assert "got str" in _problems("history=1")
+
+
+def test_request_params_are_checked() -> None:
+    from mlflow.exceptions import MlflowException
+
+    from flows.registry import rerank_params
+
+    assert rerank_params(None) == {"max_new_tokens": 320, "tau": 0.9}
+    assert rerank_params({"max_new_tokens": 16, "tau": 1}) == {"max_new_tokens": 16, "tau": 1.0}
+    for bad, says in [({"tau": 0}, "tau must be"), ({"max_new_tokens": 0}, "max_new_tokens must be"), ({"max_new_tokens": True}, "max_new_tokens"), ({"beam": 4}, "unknown key 'beam'")]:
+        with pytest.raises(MlflowException, match=says):
+            rerank_params(bad)
