@@ -5,6 +5,7 @@
     gr2 workspace DEST --profile P    a self-contained copy of the project with a params profile
     gr2 data download                 fetch the public raw Amazon review files
     gr2 promote MODEL [--version N]   move `champion` to a version through the gates in params.yaml
+    gr2 bench decode                  AR GR2 vs the diffusion re-rankers: decode speed -> metrics/speed.json
 """
 
 from __future__ import annotations
@@ -114,6 +115,25 @@ def cmd_promote(args: argparse.Namespace) -> int:
     return 0 if d.status in ("promoted", "already-champion") else 1
 
 
+def cmd_bench_decode(args: argparse.Namespace) -> int:
+    """The decode-speed benchmark of `evaluate` on its own (needs checkpoints/gr2 and the diffusion checkpoints)."""
+    from gr2model.bench import speed_table
+    from tasks.common import load_stage_config
+    from tasks.evaluate import CONFIG, GR2, SPEED, STAGE, run_bench
+
+    root = Path(args.root).resolve()
+    cfg = load_stage_config(STAGE, CONFIG, root / "params.yaml")
+    overrides = {k: v for k, v in (("taus", args.tau), ("batch_sizes", args.batch_size), ("examples", args.examples)) if v}
+    cfg = cfg.model_copy(update={"bench": cfg.bench.model_copy(update=overrides)})
+    if not (root / GR2).exists():
+        print(f"{root / GR2}: no GR2 checkpoint; run `gr2 run --stage cft` first", file=sys.stderr)
+        return 2
+    rows = run_bench(cfg, root, logging.getLogger("gr2.bench"))
+    print(speed_table(rows))
+    print(f"\nwritten: {root / SPEED}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gr2", description="Diffusion-GR2 pipeline: train, measure, register and promote re-rankers.")
     parser.add_argument("--root", default=".", help="project folder holding dvc.yaml (default: current folder)")
@@ -138,6 +158,14 @@ def build_parser() -> argparse.ArgumentParser:
     prom.add_argument("--version", default=None, help="version to judge (default: the one aliased `challenger`)")
     prom.add_argument("--no-flow", action="store_true", help="run without Prefect (no flow run, no artifact); faster")
     prom.set_defaults(fn=cmd_promote)
+
+    bench = sub.add_parser("bench", help="benchmarks")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    bd = bench_sub.add_parser("decode", help="decode speed of GR2 (best AR decoder) vs the diffusion re-rankers, in one run")
+    bd.add_argument("--tau", type=float, action="append", help="commit threshold (repeatable; default: params evaluate.bench.taus)")
+    bd.add_argument("--batch-size", type=int, action="append", help="batch size (repeatable; default: params)")
+    bd.add_argument("--examples", type=int, default=None, help="first N test re-ranking examples (default: params)")
+    bd.set_defaults(fn=cmd_bench_decode)
 
     data = sub.add_parser("data", help="data helpers")
     data_sub = data.add_subparsers(dest="data_command", required=True)
