@@ -15,8 +15,11 @@ Rows (one per decoder, model, threshold and batch size):
     batch_size, n (examples), seconds (decode time, tokenisation excluded)
     tokens_per_s: generated tokens (eos included) per second of decoding
     speedup: tokens_per_s / the best AR tokens_per_s at this batch size
-    nfe_per_token: model forwards per generated token (1/tokens per forward)
-    tokens_per_forward, response_tokens (mean generated tokens per example)
+    nfe_per_token: model forwards per generated token of one row, i.e.
+        nfe * batch_size / generated tokens (1.0 for AR at any batch size;
+        a batch forward serves every row of the batch)
+    tokens_per_forward: 1 / nfe_per_token
+    response_tokens: mean generated tokens per example
     recall@1, ndcg@3, valid_format_rate, valid_permutation_rate
 """
 
@@ -55,8 +58,8 @@ def _row(decoder: str, model: str, tau: float | None, batch_size: int, out: LMRe
         "seconds": out.seconds,
         "tokens_per_s": out.generated_tokens / max(out.seconds, 1e-9),
         "speedup": float("nan"),  # filled once the best AR decoder of this batch size is known
-        "nfe_per_token": out.nfe / tokens,
-        "tokens_per_forward": tokens / max(out.nfe, 1),
+        "nfe_per_token": out.nfe * batch_size / tokens,
+        "tokens_per_forward": tokens / max(out.nfe * batch_size, 1),
         "response_tokens": out.generated_tokens / max(len(out.parsed), 1),
         "recall@1": m["recall@1"],
         "ndcg@3": m["ndcg@3"],
