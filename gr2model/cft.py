@@ -255,26 +255,38 @@ def _check_layout(prompt_lens: torch.Tensor, response_lens: torch.Tensor, block_
 
 
 def _columns(
-    prompt_lens: torch.Tensor, response_lens: torch.Tensor, block_size: int, width: int | None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Region (0 prompt, 1 noisy, 2 clean, 3 pad), block index and column index of
-    every column of every row: three (N, T) long tensors (block is 0 outside the copies)."""
+    prompt_lens: torch.Tensor, response_lens: torch.Tensor, block_size: int, width: int | None,
+    copies: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Region (0 prompt, 1 noisy, 2 clean, 3 pad), block index, column index, noisy copy
+    index and response index of every column of every row: five (N, T) long tensors
+    (block, copy and response index are 0 where they do not apply).
+
+    copies: (N,) long, the number of noisy copies of each row (default 1); they
+    follow each other between the prompt and the clean copy."""
     _check_layout(prompt_lens, response_lens, block_size)
     p = prompt_lens.long()[:, None]
     L = response_lens.long()[:, None]
-    needed = int((p + 2 * L).max()) if len(prompt_lens) else 0
+    c = torch.ones_like(p) if copies is None else copies.long()[:, None]
+    if bool((c < 1).any()):
+        raise ValueError("every row needs at least one noisy copy")
+    needed = int((p + (c + 1) * L).max()) if len(prompt_lens) else 0
     width = needed if width is None else width
     if width < needed:
         raise ValueError(f"width {width} < the longest row ({needed})")
     col = torch.arange(width)[None, :].expand(len(prompt_lens), width)
-    region = (col >= p).long() + (col >= p + L).long() + (col >= p + 2 * L).long()
-    offset = torch.where(region == 1, col - p, col - p - L)  # response index s in either copy
-    block = torch.where((region == 1) | (region == 2), offset // block_size, torch.zeros_like(col))
-    return region, block, col
+    region = (col >= p).long() + (col >= p + c * L).long() + (col >= p + (c + 1) * L).long()
+    noisy_at = (col - p).clamp(min=0)
+    copy = torch.where(region == 1, noisy_at // L.clamp(min=1), torch.zeros_like(col))
+    offset = torch.where(region == 1, noisy_at - copy * L, col - p - c * L)  # response index s in any copy
+    in_copy = (region == 1) | (region == 2)
+    block = torch.where(in_copy, offset // block_size, torch.zeros_like(col))
+    return region, block, col, copy, torch.where(in_copy, offset, torch.zeros_like(col))
 
 
 def training_attention_mask(
-    prompt_lens: torch.Tensor, response_lens: torch.Tensor, block_size: int, width: int | None = None
+    prompt_lens: torch.Tensor, response_lens: torch.Tensor, block_size: int, width: int | None = None,
+    copies: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The BD3-LM training mask of right-padded rows [prompt, noisy response, clean response, pads].
 
@@ -282,46 +294,61 @@ def training_attention_mask(
         prompt_lens: (N,) long, p of each row (>= 1).
         response_lens: (N,) long, L of each row (a multiple of block_size).
         block_size: B.
-        width: T, the padded row length; default max(p + 2L).
+        width: T, the padded row length; default max(p + (copies + 1) L).
+        copies: (N,) long, noisy copies per row (default 1): row i is [prompt,
+            copies[i] noisy responses, clean response, pads]. Each noisy copy
+            sees what the single one does and never another copy, so a row
+            holds several independent noisy views (`gr2model.diffusion_replay`).
     Returns:
         (N, 1, T, T) bool, True where query (dim 2) may attend key (dim 3): see the
         module docstring (prompt causal; noisy block k -> prompt, clean blocks < k,
         noisy block k; clean block k -> prompt, clean blocks <= k; pad -> itself).
     """
-    region, block, col = _columns(prompt_lens, response_lens, block_size, width)
+    region, block, col, copy, _ = _columns(prompt_lens, response_lens, block_size, width, copies)
     rq, rk = region[:, :, None], region[:, None, :]
     bq, bk = block[:, :, None], block[:, None, :]
     cq, ck = col[:, :, None], col[:, None, :]
+    same_noisy = (rk == 1) & (bk == bq) & (copy[:, :, None] == copy[:, None, :])
     prompt_key = rk == 0
     allowed = (rq == 0) & prompt_key & (ck <= cq)
-    allowed |= (rq == 1) & (prompt_key | ((rk == 2) & (bk < bq)) | ((rk == 1) & (bk == bq)))
+    allowed |= (rq == 1) & (prompt_key | ((rk == 2) & (bk < bq)) | same_noisy)
     allowed |= (rq == 2) & (prompt_key | ((rk == 2) & (bk <= bq)))
     allowed |= (rq == 3) & (ck == cq)
     return allowed[:, None]
 
 
 def training_position_ids(
-    prompt_lens: torch.Tensor, response_lens: torch.Tensor, width: int | None = None
+    prompt_lens: torch.Tensor, response_lens: torch.Tensor, width: int | None = None,
+    copies: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Position ids (N, T) long of the training layout: 0..p-1 on the prompt,
-    p..p+L-1 on both response copies, 0 on pads (never attended, any value works)."""
-    region, _, col = _columns(prompt_lens, response_lens, 1, width)
-    L = response_lens.long()[:, None]
-    pos = torch.where(region == 2, col - L, col)
+    p..p+L-1 on every response copy, 0 on pads (never attended, any value works)."""
+    region, _, col, _, offset = _columns(prompt_lens, response_lens, 1, width, copies)
+    pos = torch.where((region == 1) | (region == 2), prompt_lens.long()[:, None] + offset, col)
     return torch.where(region == 3, torch.zeros_like(pos), pos)
 
 
-def prediction_sources(prompt_len: int, response_len: int, block_size: int) -> torch.Tensor:
+def prediction_sources(
+    prompt_len: int, response_len: int, block_size: int, copy: int = 0, copies: int = 1
+) -> torch.Tensor:
     """Column of the training row whose logits predict each response token.
 
+    Args:
+        copy, copies: the noisy copy read (0-based) and the row's number of
+            noisy copies (`training_attention_mask`); default the single one.
     Returns:
-        (L,) long: for s = kB + i, p + s - 1 when i >= 1 (noisy copy), p + L + s - 1
-        when i = 0 < k (last token of clean block k-1), p - 1 when s = 0.
+        (L,) long: for s = kB + i, p + copy L + s - 1 when i >= 1 (noisy copy),
+        p + copies L + s - 1 when i = 0 < k (last token of clean block k-1),
+        p - 1 when s = 0.
     """
     if prompt_len < 1 or response_len % block_size != 0:
         raise ValueError("need prompt_len >= 1 and response_len a multiple of block_size")
+    if not 0 <= copy < copies:
+        raise ValueError(f"copy {copy} out of range for {copies} copies")
     s = torch.arange(response_len)
-    src = torch.where(s % block_size == 0, prompt_len + response_len + s - 1, prompt_len + s - 1)
+    src = torch.where(
+        s % block_size == 0, prompt_len + copies * response_len + s - 1, prompt_len + copy * response_len + s - 1
+    )
     if response_len:
         src[0] = prompt_len - 1
     return src

@@ -94,9 +94,24 @@ class DiffusionDecodeOutput(DecodeOutput):
             token. The token was committed given exactly the tokens of its row
             committed at smaller step indices (the others were mask tokens), so
             the RL stage can replay every step.
+        logprobs: with `return_logprobs`, per row and aligned with `sequences`,
+            log p(token) under the raw distribution of the forward that
+            committed it: log_softmax of its unscaled logits over the full
+            vocabulary (the mask token included, temperature 1), as
+            `ar_generate` returns them, whatever temperature sampled it.
+        tail_tokens, tail_steps, tail_logprobs: with `return_trace` (the
+            log-probs also need `return_logprobs`), per row, the positions of
+            its last block after the end of `sequences` (up to the block end):
+            the decoder may commit a position after the eos before the eos
+            itself, and such a token is cut from the sequence but was part of
+            the canvas of every later step of that block, so an exact replay
+            needs it. mask_id / -1 / 0.0 where the position was never committed.
     """
 
     steps: list[list[int]] | None = None
+    tail_tokens: list[list[int]] | None = None
+    tail_steps: list[list[int]] | None = None
+    tail_logprobs: list[list[float]] | None = None
 
     @property
     def tokens_per_forward(self) -> float:
@@ -307,7 +322,9 @@ class _CachedForward:
             plan.start, plan.columns, plan.width = 0, None, width
             mask = block_diffusion_mask(pos, valid, cols, pos, valid, plen, bsz)
             logits = self._run(input_ids, mask, pos, self.keep_prefill)
-            self.first = logits[:, 0]
+            # A copy: `propose` bans the mask column of the returned logits in
+            # place, and the raw logits are kept for the block's later steps.
+            self.first = logits[:, 0].clone()
             return logits
 
         assert ctx_list is not None
@@ -357,7 +374,7 @@ class _CachedForward:
             mask = self.slot_valid[:, None, None, :width].repeat(1, 1, bsz + n_act, 1)
             mask[:, :, :bsz, start0 + bsz :] = False
             logits = self._run(input_ids, mask, pos, self.keep_ctx)
-            self.first = logits[:, 0]
+            self.first = logits[:, 0].clone()  # see the prefill
         else:
             plan.start, plan.columns = None, cols
             self.slot_pos.scatter_(1, cols, pos)
@@ -428,6 +445,7 @@ def diffusion_generate(
     temperature: float = 0.0,
     generator: torch.Generator | None = None,
     return_trace: bool = False,
+    return_logprobs: bool = False,
 ) -> DiffusionDecodeOutput:
     """Decode up to `max_new_tokens` tokens after each prompt by block diffusion, batched.
 
@@ -453,10 +471,16 @@ def diffusion_generate(
             reference for the cached path: same tokens, same NFE).
         temperature: 0 proposes the argmax; > 0 samples from
             softmax(logits / temperature), using `generator`.
-        return_trace: also return each token's commit step (`steps`).
+        return_trace: also return each token's commit step (`steps`) and the
+            cut end of each row's last block (`tail_tokens`, `tail_steps`).
+        return_logprobs: also return each committed token's log-probability
+            under the raw logits of the forward that committed it (`logprobs`,
+            and `tail_logprobs` with return_trace): one logsumexp over the
+            (N, B, V) logits per step.
     Returns:
         DiffusionDecodeOutput: sequences, nfe (every forward, the prefill
-        included), generated_tokens, seconds, steps with return_trace.
+        included), generated_tokens, seconds, steps and tails with
+        return_trace, logprobs with return_logprobs.
     """
     start_time = time.perf_counter()
     if block_size < 1:
@@ -467,7 +491,12 @@ def diffusion_generate(
     if max_new_tokens <= 0:
         empty: list[list[int]] = [[] for _ in range(batch)]
         steps0 = [[] for _ in range(batch)] if return_trace else None
-        return DiffusionDecodeOutput(empty, 0, 0, time.perf_counter() - start_time, steps=steps0)
+        lp0 = [[] for _ in range(batch)] if return_logprobs else None
+        lp0_tail = [[] for _ in range(batch)] if return_logprobs and return_trace else None
+        return DiffusionDecodeOutput(
+            empty, 0, 0, time.perf_counter() - start_time, logprobs=lp0, steps=steps0,
+            tail_tokens=[[] for _ in range(batch)] if return_trace else None, tail_steps=steps0, tail_logprobs=lp0_tail,
+        )
     bsz = block_size
     span = math.ceil(max_new_tokens / bsz) * bsz
 
@@ -486,6 +515,10 @@ def diffusion_generate(
     rows = torch.arange(batch, device=device)  # original index of each active row
     out_tokens = torch.full((batch, span), pad_id, dtype=torch.long, device=device)
     out_steps = torch.full((batch, span), -1, dtype=torch.long, device=device)
+    logp_of = out_logp = None
+    if return_logprobs:
+        logp_of = torch.zeros((batch, span), dtype=torch.float32, device=device)
+        out_logp = torch.zeros((batch, span), dtype=torch.float32, device=device)
     lengths = [0] * batch
     ar = torch.arange(bsz, device=device)
 
@@ -496,6 +529,8 @@ def diffusion_generate(
         logits = forward(resp, start, plen, ctx, ctx_list)
         step = nfe
         nfe += 1
+        # Before `propose`, which bans the mask column in place: the raw log-partition.
+        lse = torch.logsumexp(logits.float(), dim=-1) if logp_of is not None else None
         # One (N, B, V) draw per step on both paths, so sampling draws alike.
         tokens, conf = propose(logits, temperature, generator, mask_id)
 
@@ -511,6 +546,10 @@ def diffusion_generate(
         committed = committed | chosen
         resp.scatter_(1, cols, new_tok)
         step_of.scatter_(1, cols, torch.where(chosen, step, old_step))
+        if logp_of is not None:
+            assert lse is not None
+            tok_logp = logits.gather(-1, tokens[..., None]).squeeze(-1).float() - lse
+            logp_of.scatter_(1, cols, torch.where(chosen, tok_logp, logp_of.gather(1, cols)))
 
         is_eos = committed & (new_tok == eos_id)
         after_eos = is_eos.cumsum(1) > 0
@@ -527,6 +566,9 @@ def diffusion_generate(
             fin = done.nonzero().squeeze(-1)
             out_tokens[rows[fin]] = resp[fin]
             out_steps[rows[fin]] = step_of[fin]
+            if logp_of is not None:
+                assert out_logp is not None
+                out_logp[rows[fin]] = logp_of[fin]
             for r, d, n in zip(rows.tolist(), done_list, length_list):
                 if d:
                     lengths[r] = n
@@ -535,6 +577,8 @@ def diffusion_generate(
                 break
             alive = torch.tensor(alive_list, dtype=torch.long, device=device)
             resp, step_of, start, plen, rows = resp[alive], step_of[alive], start[alive], plen[alive], rows[alive]
+            if logp_of is not None:
+                logp_of = logp_of[alive]
             complete = complete[alive]
             complete_list = [complete_list[i] for i in alive_list]
             forward.select(alive, alive_list)
@@ -542,14 +586,28 @@ def diffusion_generate(
 
     tokens_all = out_tokens.tolist()
     sequences = [tokens_all[i][: lengths[i]] for i in range(batch)]
-    steps = None
+    # The rest of each row's last block (out_tokens holds the whole response
+    # buffer of a finished row: mask_id where never committed).
+    ends = [math.ceil(n / bsz) * bsz for n in lengths]
+    steps = tail_tokens = tail_steps = logprobs = tail_logprobs = None
     if return_trace:
         steps_all = out_steps.tolist()
         steps = [steps_all[i][: lengths[i]] for i in range(batch)]
+        tail_tokens = [tokens_all[i][lengths[i] : ends[i]] for i in range(batch)]
+        tail_steps = [steps_all[i][lengths[i] : ends[i]] for i in range(batch)]
+    if out_logp is not None:
+        lp_all = out_logp.tolist()
+        logprobs = [lp_all[i][: lengths[i]] for i in range(batch)]
+        if return_trace:
+            tail_logprobs = [lp_all[i][lengths[i] : ends[i]] for i in range(batch)]
     return DiffusionDecodeOutput(
         sequences=sequences,
         nfe=nfe,
         generated_tokens=sum(lengths),
         seconds=time.perf_counter() - start_time,
+        logprobs=logprobs,
         steps=steps,
+        tail_tokens=tail_tokens,
+        tail_steps=tail_steps,
+        tail_logprobs=tail_logprobs,
     )
