@@ -45,6 +45,7 @@ __all__ = [
     "RewardFn",
     "group_advantages",
     "dapo_loss",
+    "response_logits",
     "sequence_logprobs",
     "train_dapo",
 ]
@@ -197,16 +198,15 @@ def _model_device(model: torch.nn.Module) -> torch.device:
     return next(model.parameters()).device
 
 
-def sequence_logprobs(
+def response_logits(
     model: torch.nn.Module, prompt_ids: list[list[int]], completion_ids: list[list[int]], pad_id: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-probs of completion tokens under `model`, in one forward pass.
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The causal LM's logits predicting every completion token, in one forward pass.
 
     Rows are laid out as [left pads][prompt][completion][right pads], with
     position ids restarting at 0 on each row's first real token: the same
-    inputs `ar_generate` sees, so the values match its `return_logprobs`.
-    Only the logits of the completion positions are computed (`logits_to_keep`).
-    Gradients flow (wrap in `torch.no_grad()` for old log-probs).
+    inputs `ar_generate` sees. Only the logits of the completion positions are
+    computed (`logits_to_keep`). Gradients flow unless the caller disables them.
 
     Args:
         model: causal LM, forward(input_ids, attention_mask, position_ids,
@@ -215,8 +215,11 @@ def sequence_logprobs(
         completion_ids: N completions (any lengths, may be empty).
         pad_id: padding id.
     Returns:
-        logp: (N, T) float32, T = longest completion; log p(token | prefix) from
-            log_softmax of the raw logits (temperature 1), 0 on padding.
+        logits: (N, T, V) as the model returns them, T = longest completion;
+            logits[i, t] predict completion token t of row i (token shift
+            applied); rows past their completion hold pads' logits. (N, 0, 0)
+            when every completion is empty (no forward is run).
+        targets: (N, T) long, the completion tokens (pad_id past the end).
         mask: (N, T) float32, 1 on completion tokens.
     """
     if len(prompt_ids) != len(completion_ids):
@@ -228,8 +231,9 @@ def sequence_logprobs(
     if min(len(p) for p in prompt_ids) == 0:
         raise ValueError("empty prompt")
     if t_len == 0:
+        # No forward at all: the logits are (N, 0, 0), nothing to predict.
         empty = torch.zeros((n, 0), device=device)
-        return empty, empty.clone()
+        return torch.zeros((n, 0, 0), device=device), empty.long(), empty
     ids = torch.full((n, p_len + t_len), pad_id, dtype=torch.long)
     attn = torch.zeros((n, p_len + t_len), dtype=torch.long)
     for row, (p, c) in enumerate(zip(prompt_ids, completion_ids)):
@@ -243,10 +247,33 @@ def sequence_logprobs(
     # The last t_len + 1 positions: p_len - 1 (predicts the first completion
     # token) through the end; the very last predicts nothing and is dropped.
     out = model(input_ids=ids, attention_mask=attn, position_ids=positions, use_cache=False, logits_to_keep=t_len + 1)
-    logits = out.logits[:, :-1].float()
-    targets = ids[:, p_len:]
+    return out.logits[:, :-1], ids[:, p_len:], attn[:, p_len:].float()
+
+
+def sequence_logprobs(
+    model: torch.nn.Module, prompt_ids: list[list[int]], completion_ids: list[list[int]], pad_id: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs of completion tokens under `model`, in one forward pass (`response_logits`).
+
+    The rows are the inputs `ar_generate` sees, so the values match its
+    `return_logprobs`. Gradients flow (wrap in `torch.no_grad()` for old log-probs).
+
+    Args:
+        model: causal LM, forward(input_ids, attention_mask, position_ids,
+            logits_to_keep) -> logits.
+        prompt_ids: N prompts (each >= 1 token).
+        completion_ids: N completions (any lengths, may be empty).
+        pad_id: padding id.
+    Returns:
+        logp: (N, T) float32, T = longest completion; log p(token | prefix) from
+            log_softmax of the raw logits (temperature 1), 0 on padding.
+        mask: (N, T) float32, 1 on completion tokens.
+    """
+    logits, targets, mask = response_logits(model, prompt_ids, completion_ids, pad_id)
+    if targets.shape[1] == 0:
+        return mask.clone(), mask
+    logits = logits.float()
     logp = logits.gather(-1, targets[..., None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
-    mask = attn[:, p_len:].float()
     return logp * mask, mask
 
 

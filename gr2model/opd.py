@@ -1,0 +1,537 @@
+"""On-policy distillation (OPD) of the AR teacher GR2 into the block-diffusion student.
+
+The student (from the CFT checkpoint) decodes training prompts with its real
+decoder (`gr2model.diffusion_decode`: block KV cache, threshold rule, sampling
+temperature `OPDConfig.temperature`), `rollouts_per_prompt` rollouts per
+prompt. The frozen AR teacher scores the same response tokens in one causal
+forward per rollout, and the student is trained toward the teacher's
+per-token distributions on its own tokens: the states it visits, not the
+teacher's (which is what CFT trained on).
+
+Alignment: both sides keep the AR token shift. The teacher's distribution for
+response position s is its logits at the token before s (prompt + response[:s]);
+the student's is the distribution it committed s from, i.e. the canvas of the
+decode step that committed s (`gr2model.diffusion_replay`: position s read from
+canvas position s-1, or from the finished previous block for a block's first
+position). Both are per response position s, so the KL compares the two
+models' next-token distributions at the same response position.
+
+The student's distribution: the exact canvas, not an approximation
+--------------------------------------------------------------------
+How the student's per-token distribution on its own trajectory is obtained
+is the design decision that sets the cost. We replay the canvases
+(`gr2model.diffusion_replay`): each token is scored given exactly what the
+decoder saw when it committed it (the tokens of its block committed at
+earlier steps, masks elsewhere), with gradients; a trajectory costs
+R = max over blocks of (decode steps in the block) canvases, packed up to
+`max_copies` per row [prompt | canvases | clean response], instead of one
+forward per decode step. Measured (diffusion_replay's docstring, pipeline
+model size, p = 200, L = 320, B = 32): a replay forward costs about one decode
+of the same trajectories, forward + backward about three. The cheaper
+approximation, one CFT-style row with a random mask (or the all-clean
+context), is ~R/2 times cheaper at R >= 8 but distils the teacher into
+contexts the decoder never visits, which is what OPD is meant to avoid.
+
+Loss
+----
+Per response position, with p_T the teacher's and p_S the student's
+distribution over the vocabulary (raw softmax, temperature 1, mask token
+included: the decoder bans it, but both models give it ~0 mass):
+
+    forward (default, as Diffusion-GR2):  KL(p_T || p_S) = sum_v p_T(v) log(p_T(v) / p_S(v))
+    reverse (the GR2 technical report):   KL(p_S || p_T) = sum_v p_S(v) log(p_S(v) / p_T(v))
+
+both computed exactly over the vocabulary (no sampled estimate: the full
+distributions are at hand, so the reverse KL's gradient needs no policy
+gradient). The loss is the token-level mean over all response tokens of the
+global batch (as DAPO's: a long response weighs in proportion to its length).
+Forward KL is mass-covering (the student must put mass wherever the teacher
+does: it keeps the teacher's alternatives); reverse KL is mode-seeking (the
+student may drop teacher modes it cannot fit, and is punished hardest for
+mass where the teacher has none).
+
+Teacher logits: full or top-k
+-----------------------------
+The teacher runs once per rollout (one causal forward over prompt + response,
+under no_grad) right after the rollouts, and its log-probs are kept for the
+step's `inner_epochs` passes. `teacher_top_k = 0` keeps the full (L, V)
+float32 log-probs: 32 rollouts x 320 tokens x a 2,000-token vocabulary is
+82 MB, nothing next to the replay's activations. `teacher_top_k = k > 0`
+keeps the teacher's k most likely tokens and a "rest" bucket holding the
+remaining mass, and the KL is computed between the two coarse-grained
+distributions over {top-k tokens, rest} (`teacher_topk`, `topk_token_kl`):
+a proper KL (>= 0, 0 when the models agree), a lower bound on the full KL
+(coarse-graining never increases a KL), tight when the teacher's mass is in
+its top k; the student's rest mass is exact (a logsumexp over the other
+logits), so the student is still pushed off tokens the teacher rules out.
+Storage is k + 1 log-probs + k ids per token. The default is full: at this
+vocabulary it costs little, and it is the exact loss.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import gather_object
+from tqdm.auto import tqdm
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from gr2model.block_diffusion import block_diffusion_settings
+from gr2model.dapo import RewardFn, _PromptStream, _zero_grad_forward, response_logits
+from gr2model.diffusion_decode import diffusion_generate
+from gr2model.diffusion_replay import (
+    DEFAULT_MAX_COPIES,
+    Trajectory,
+    build_replay_batch,
+    replay_logits,
+    trajectories_from_decode,
+)
+
+__all__ = [
+    "KLKind",
+    "OPDConfig",
+    "OPDResult",
+    "token_kl",
+    "teacher_topk",
+    "topk_token_kl",
+    "opd_loss",
+    "teacher_targets",
+    "train_opd",
+]
+
+KLKind = Literal["forward", "reverse"]
+
+
+# ------------------------------------------------------------------ pure parts
+
+
+def _kl_terms(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
+    """sum over the last dim of p (log p - log q), with 0 log 0 = 0 (no nan, no nan gradient)."""
+    p = log_p.exp()
+    live = p > 0
+    # Sanitise both logs where p = 0: a -inf there would give nan through
+    # (-inf) - (-inf), and torch.where does not stop a nan gradient.
+    lp = torch.where(live, log_p, torch.zeros_like(log_p))
+    lq = torch.where(live, log_q, torch.zeros_like(log_q))
+    return (p * (lp - lq)).sum(-1)
+
+
+def token_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor, kind: KLKind = "forward") -> torch.Tensor:
+    """Per-token KL between the teacher's and the student's full next-token distributions.
+
+    Args:
+        student_logits: (..., V) raw logits (gradients flow).
+        teacher_logits: (..., V) raw logits or log-probs (only their softmax matters).
+        kind: "forward" KL(teacher || student) or "reverse" KL(student || teacher).
+    Returns:
+        (...) float32, >= 0 (up to rounding), 0 where the distributions agree.
+    """
+    if student_logits.shape != teacher_logits.shape:
+        raise ValueError(f"student {tuple(student_logits.shape)} vs teacher {tuple(teacher_logits.shape)}")
+    log_s = torch.log_softmax(student_logits.float(), dim=-1)
+    log_t = torch.log_softmax(teacher_logits.float(), dim=-1)
+    if kind == "forward":
+        return _kl_terms(log_t, log_s)
+    if kind == "reverse":
+        return _kl_terms(log_s, log_t)
+    raise ValueError(f"kind must be 'forward' or 'reverse', got {kind!r}")
+
+
+def teacher_topk(teacher_logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The teacher's k most likely tokens and the log-mass of all the others.
+
+    Args:
+        teacher_logits: (..., V) raw logits.
+        k: 1 <= k <= V.
+    Returns:
+        logprobs: (..., k + 1) float32: log p_T of the top k tokens (normalised
+            over the full vocabulary), then log p_T(rest) (-inf when k = V),
+            computed as a logsumexp over the other logits (no 1 - sum cancellation).
+        ids: (..., k) long, the top k token ids.
+    """
+    vocab = teacher_logits.shape[-1]
+    if not 1 <= k <= vocab:
+        raise ValueError(f"need 1 <= k <= {vocab}, got {k}")
+    log_t = torch.log_softmax(teacher_logits.float(), dim=-1)
+    top, ids = log_t.topk(k, dim=-1)
+    rest = torch.logsumexp(log_t.scatter(-1, ids, float("-inf")), dim=-1, keepdim=True)
+    return torch.cat([top, rest], dim=-1), ids
+
+
+def topk_token_kl(
+    student_logits: torch.Tensor, teacher_logprobs: torch.Tensor, teacher_ids: torch.Tensor, kind: KLKind = "forward"
+) -> torch.Tensor:
+    """Per-token KL between the coarse-grained distributions over {teacher's top k, rest}.
+
+    The student's probabilities of the teacher's top-k tokens come from its
+    full softmax; its rest bucket is the exact mass of every other token. No
+    renormalisation over the top k: the rest bucket keeps both sides proper
+    distributions, so the KL is >= 0, is 0 when the models agree, equals the
+    full KL when k = V, and is never above the full KL otherwise.
+
+    Args:
+        student_logits: (..., V) raw logits (gradients flow).
+        teacher_logprobs: (..., k + 1) from `teacher_topk`.
+        teacher_ids: (..., k) from `teacher_topk`.
+        kind: "forward" or "reverse" (see `token_kl`).
+    Returns:
+        (...) float32.
+    """
+    log_s = torch.log_softmax(student_logits.float(), dim=-1)
+    top = log_s.gather(-1, teacher_ids)
+    rest = torch.logsumexp(log_s.scatter(-1, teacher_ids, float("-inf")), dim=-1, keepdim=True)
+    coarse_s = torch.cat([top, rest], dim=-1)
+    coarse_t = teacher_logprobs.float()
+    if kind == "forward":
+        return _kl_terms(coarse_t, coarse_s)
+    if kind == "reverse":
+        return _kl_terms(coarse_s, coarse_t)
+    raise ValueError(f"kind must be 'forward' or 'reverse', got {kind!r}")
+
+
+def opd_loss(
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    mask: torch.Tensor,
+    kind: KLKind = "forward",
+    top_k: int = 0,
+) -> torch.Tensor:
+    """The OPD loss: the per-token KL averaged over the valid tokens (token-level mean).
+
+    Args:
+        student_logits: (N, T, V) or (K, V) student logits at the response
+            positions (gradients flow).
+        teacher_logits: the same shape, the teacher's logits at the same
+            positions (same token shift).
+        mask: (N, T) or (K,), 1 on response tokens, 0 on padding.
+        kind: "forward" KL(teacher || student) (default) or "reverse".
+        top_k: 0 for the full distributions; k > 0 for the teacher's top-k
+            tokens plus a rest bucket (`topk_token_kl`).
+    Returns:
+        scalar float32: sum(mask * KL) / sum(mask); 0 (zero gradient) without tokens.
+    """
+    if top_k > 0:
+        logprobs, ids = teacher_topk(teacher_logits, top_k)
+        kl = topk_token_kl(student_logits, logprobs, ids, kind)
+    else:
+        kl = token_kl(student_logits, teacher_logits, kind)
+    m = mask.float()
+    return (kl * m).sum() / m.sum().clamp(min=1.0)
+
+
+@torch.no_grad()
+def teacher_targets(
+    teacher: torch.nn.Module,
+    prompts: Sequence[Sequence[int]],
+    responses: Sequence[Sequence[int]],
+    pad_id: int,
+    top_k: int = 0,
+) -> list[tuple[torch.Tensor, ...]]:
+    """The teacher's distribution at every response position, one causal forward per batch.
+
+    Args:
+        teacher: the AR model (causal mask; `gr2model.dapo.response_logits`).
+        prompts, responses: N prompts and the student's N responses (eos included).
+        pad_id: padding id.
+        top_k: 0 keeps the full log-probs; k > 0 keeps `teacher_topk`.
+    Returns:
+        per response: (log_probs (L_i, V),) with top_k = 0, else
+        (logprobs (L_i, k + 1), ids (L_i, k)); float32 on the teacher's device.
+    """
+    logits, _, mask = response_logits(teacher, [list(p) for p in prompts], [list(r) for r in responses], pad_id)
+    out: list[tuple[torch.Tensor, ...]] = []
+    for i, r in enumerate(responses):
+        row = logits[i, : len(r)].float()
+        out.append((torch.log_softmax(row, dim=-1),) if top_k <= 0 else teacher_topk(row, top_k))
+    return out
+
+
+# ---------------------------------------------------------------------- config
+
+
+@dataclass(frozen=True)
+class OPDConfig:
+    """Knobs of on-policy distillation.
+
+    rollouts_per_prompt: student decodes per prompt (sampled at `temperature`).
+    prompts_per_step: prompts per step (global, over all processes).
+    steps: update steps, each with its own rollouts.
+    inner_epochs: gradient passes over each step's rollouts (the teacher's
+        log-probs are computed once and reused).
+    minibatch_size: rollouts per optimizer step (global).
+    lr, weight_decay: AdamW (constant lr).
+    kind: "forward" KL(teacher || student) (default) or "reverse".
+    teacher_top_k: 0 keeps the teacher's full distributions; k > 0 its top k
+        plus a rest bucket (module docstring).
+    threshold: the decoder's commit threshold (as at inference).
+    temperature: sampling temperature of the rollouts (> 0; 0 decodes greedily).
+    max_new_tokens: response length limit.
+    max_copies: canvases per replay row (`gr2model.diffusion_replay`).
+    seed: prompt order and sampling.
+    grad_clip: max global gradient norm (<= 0 disables).
+    """
+
+    rollouts_per_prompt: int = 4
+    prompts_per_step: int = 8
+    steps: int = 50
+    inner_epochs: int = 1
+    minibatch_size: int = 16
+    lr: float = 5e-5
+    weight_decay: float = 0.0
+    kind: KLKind = "forward"
+    teacher_top_k: int = 0
+    threshold: float = 0.9
+    temperature: float = 1.0
+    max_new_tokens: int = 320
+    max_copies: int = DEFAULT_MAX_COPIES
+    seed: int = 0
+    grad_clip: float = 1.0
+
+    def __post_init__(self) -> None:
+        for name in ("rollouts_per_prompt", "prompts_per_step", "steps", "inner_epochs", "minibatch_size",
+                     "max_new_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.kind not in ("forward", "reverse"):
+            raise ValueError(f"kind must be 'forward' or 'reverse', got {self.kind!r}")
+        if self.teacher_top_k < 0 or self.temperature < 0:
+            raise ValueError("teacher_top_k and temperature must be >= 0")
+
+
+@dataclass
+class OPDResult:
+    """model: the trained student (unwrapped, eval mode).
+    history: the per-step metric dicts passed to on_step."""
+
+    model: PreTrainedModel
+    history: list[dict[str, float]] = field(default_factory=list)
+
+
+# ----------------------------------------------------------------------- train
+
+
+def _gather_teacher(targets: list[tuple[torch.Tensor, ...]], traj: torch.Tensor, pos: torch.Tensor) -> list[torch.Tensor]:
+    """The teacher rows of K (trajectory, position) pairs, one tensor per stored field (K, ...)."""
+    lengths = torch.tensor([t[0].shape[0] for t in targets], device=traj.device)
+    offsets = torch.cumsum(lengths, 0) - lengths
+    index = offsets[traj] + pos
+    return [torch.cat([t[f] for t in targets]).to(traj.device)[index] for f in range(len(targets[0]))]
+
+
+def train_opd(
+    student: PreTrainedModel,
+    teacher: PreTrainedModel,
+    tok: PreTrainedTokenizerBase,
+    prompts: Sequence[list[int]],
+    cfg: OPDConfig,
+    *,
+    reward_fn: RewardFn | None = None,
+    on_step: Callable[[dict[str, float]], None] | None = None,
+    accelerator: Accelerator | None = None,
+) -> OPDResult:
+    """Distil `teacher` into the block-diffusion `student` on the student's own rollouts.
+
+    Each step:
+    1. rollouts: draw prompts (seeded order), decode `rollouts_per_prompt`
+       responses each with `diffusion_generate` (the student's block size and
+       mask id from its config, cfg.threshold, cfg.temperature, a seeded
+       generator, return_trace);
+    2. teacher: one causal forward per rollout over prompt + response
+       (`teacher_targets`, no grad), kept for the step;
+    3. update: cfg.inner_epochs passes over shuffled minibatches; per
+       minibatch, the student's logits at every response position from the
+       replayed canvases (`gr2model.diffusion_replay`), the per-token KL to the
+       teacher, averaged over the global minibatch's tokens; one optimizer step.
+    The student stays in eval mode (no dropout: the replay must score the
+    function that decoded). The teacher is never updated.
+
+    Args:
+        student: a converted block-diffusion model (`convert_to_block_diffusion`).
+        teacher: the AR teacher; same vocabulary (its logits' width must match).
+        tok: the shared tokenizer (pad, eos and mask tokens).
+        prompts: token id lists (each >= 1 token).
+        cfg: see OPDConfig.
+        reward_fn: optional, for monitoring only (not trained on): each
+            rollout's reward and info are averaged into the step's metrics.
+        on_step: called on the main process with each step's metrics: step, kl
+            (mean per-token KL of the step's first pass, before each
+            minibatch's update), kl_last (last pass), response_length,
+            truncated_rate, tokens_per_forward, canvases_per_rollout,
+            replay_rows, replay_columns, grad_norm, lr, rollout_s, teacher_s,
+            update_s (and reward_mean + info keys with reward_fn).
+        accelerator: the Accelerator to run under (a default one when None).
+    Returns:
+        OPDResult (student unwrapped, eval mode).
+    """
+    accelerator = accelerator or Accelerator()
+    pad_id, eos_id, mask_id = tok.pad_token_id, tok.eos_token_id, tok.mask_token_id
+    if pad_id is None or eos_id is None or mask_id is None:
+        raise ValueError("tokenizer needs pad, eos and mask tokens")
+    block_size, model_mask = block_diffusion_settings(student)
+    if model_mask != mask_id:
+        raise ValueError(f"student's mask_token_id {model_mask} but the tokenizer's is {mask_id}")
+    if len(prompts) == 0:
+        raise ValueError("no prompts")
+    world, rank = accelerator.num_processes, accelerator.process_index
+    device = accelerator.device
+    if _vocab_of(teacher) != _vocab_of(student):
+        raise ValueError(f"teacher vocabulary {_vocab_of(teacher)} != student's {_vocab_of(student)}")
+    teacher = teacher.to(device).eval()
+
+    optimizer = torch.optim.AdamW(student.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    model, optimizer = accelerator.prepare(student, optimizer)
+    policy = accelerator.unwrap_model(model)
+    model.eval()
+
+    stream = _PromptStream(len(prompts), cfg.seed)  # same order on every process
+    sample_gen = torch.Generator(device=device).manual_seed(cfg.seed * 1_000_003 + rank)
+    shuffle_gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + 7919 + rank)
+
+    def global_sum(values: list[float]) -> list[float]:
+        return accelerator.reduce(torch.tensor(values, dtype=torch.float64, device=device), reduction="sum").tolist()
+
+    history: list[dict[str, float]] = []
+    bar = tqdm(range(cfg.steps), desc="opd", disable=not accelerator.is_main_process)
+    for step in bar:
+        # ---------------------------------------------------------- rollouts
+        t0 = time.perf_counter()
+        mine = stream.take(cfg.prompts_per_step)[rank::world]
+        trajs: list[Trajectory] = []
+        prompt_of: list[int] = []
+        committed = forwards = 0  # per rollout: tokens committed, forwards that committed them
+        rewards: list[float] = []
+        info_sums: dict[str, list[float]] = {}
+        if mine:
+            rows = [prompts[i] for i in mine for _ in range(cfg.rollouts_per_prompt)]
+            prompt_of = [i for i in mine for _ in range(cfg.rollouts_per_prompt)]
+            out = diffusion_generate(
+                policy, rows, pad_id=pad_id, eos_id=eos_id, mask_id=mask_id, block_size=block_size,
+                threshold=cfg.threshold, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
+                generator=sample_gen, return_trace=True,
+            )
+            trajs = trajectories_from_decode(rows, out)
+            for t in trajs:
+                done = [s for s in t.steps if s >= 0]
+                committed += len(done)
+                forwards += len(set(done))
+            if reward_fn is not None:
+                for i, seq in zip(prompt_of, out.sequences):
+                    value, info = reward_fn(i, list(seq))
+                    rewards.append(float(value))
+                    for k, v in info.items():
+                        tally = info_sums.setdefault(k, [0.0, 0.0])
+                        tally[0] += float(v)
+                        tally[1] += 1.0
+        rollout_s = time.perf_counter() - t0
+
+        # ----------------------------------------------------------- teacher
+        t1 = time.perf_counter()
+        targets: list[tuple[torch.Tensor, ...]] = []
+        with accelerator.autocast():
+            for start in range(0, len(trajs), cfg.minibatch_size):
+                chunk = trajs[start : start + cfg.minibatch_size]
+                targets += teacher_targets(
+                    teacher, [t.prompt for t in chunk], [t.response for t in chunk], pad_id, cfg.teacher_top_k
+                )
+        teacher_s = time.perf_counter() - t1
+
+        # ------------------------------------------------------------ update
+        t2 = time.perf_counter()
+        n_global = int(global_sum([float(len(trajs))])[0])
+        n_mb = math.ceil(n_global / cfg.minibatch_size)
+        grad_norms: list[float] = []
+        kl_sums = [[0.0, 0.0] for _ in range(cfg.inner_epochs)]  # per pass: KL sum, tokens
+        replay = [0.0, 0.0, 0.0]  # canvases, rows, columns (first pass)
+        for epoch in range(cfg.inner_epochs):
+            order = torch.randperm(len(trajs), generator=shuffle_gen)
+            for idx in torch.tensor_split(order, n_mb):
+                idx = idx.tolist()
+                n_tok_local = sum(trajs[i].length for i in idx)
+                n_tok_global = global_sum([float(n_tok_local)])[0]
+                if n_tok_global == 0:
+                    continue  # empty on every process: skip together
+                if n_tok_local > 0:
+                    chunk = [trajs[i] for i in idx]
+                    batch = build_replay_batch(
+                        chunk, block_size=block_size, mask_id=mask_id, pad_id=pad_id, max_copies=cfg.max_copies
+                    )
+                    if epoch == 0:
+                        replay[0] += float(batch["copies"].sum())
+                        replay[1] += float(batch["copies"].numel())
+                        replay[2] += float(batch["n_tokens"])
+                    batch = {k: v.to(device) for k, v in batch.items()}
+                    with accelerator.autocast():
+                        got = replay_logits(model, batch)
+                    teach = _gather_teacher([targets[i] for i in idx], got["traj"], got["pos"])
+                    if cfg.teacher_top_k > 0:
+                        kl = topk_token_kl(got["logits"], teach[0], teach[1], cfg.kind)
+                    else:
+                        kl = token_kl(got["logits"], teach[0], cfg.kind)
+                    # Token-level mean over the global minibatch; DDP averages
+                    # gradients over processes, hence * world.
+                    loss = kl.sum() * world / n_tok_global
+                    kl_sums[epoch][0] += float(kl.detach().sum())
+                    kl_sums[epoch][1] += float(kl.numel())
+                else:
+                    loss = _zero_grad_forward(model, pad_id)
+                accelerator.backward(loss)
+                if cfg.grad_clip > 0:
+                    grad_norms.append(float(accelerator.clip_grad_norm_(model.parameters(), cfg.grad_clip)))
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+        update_s = time.perf_counter() - t2
+
+        # ----------------------------------------------------------- metrics
+        lengths = [t.length for t in trajs]
+        truncated = sum(1 for t in trajs if not t.response or t.response[-1] != eos_id)
+        keys = sorted({k for ks in gather_object([sorted(info_sums)]) for k in ks})
+        local = [
+            float(len(trajs)), float(sum(lengths)), float(truncated), float(forwards), float(committed),
+            *kl_sums[0], *kl_sums[-1], *replay, sum(rewards), float(len(rewards)),
+        ]
+        for k in keys:
+            local += info_sums.get(k, [0.0, 0.0])
+        tot = global_sum(local)
+        n = max(tot[0], 1.0)
+        metrics: dict[str, float] = {
+            "step": float(step + 1),
+            "kl": tot[5] / max(tot[6], 1.0),
+            "kl_last": tot[7] / max(tot[8], 1.0),
+            "response_length": tot[1] / n,
+            "truncated_rate": tot[2] / n,
+            # Per rollout (each forward commits >= 1 token of every row it carries).
+            "tokens_per_forward": tot[4] / max(tot[3], 1.0),
+            "canvases_per_rollout": tot[9] / n,
+            "replay_rows": tot[10],
+            "replay_columns": tot[11],
+            "grad_norm": sum(grad_norms) / len(grad_norms) if grad_norms else 0.0,
+            "lr": float(optimizer.param_groups[0]["lr"]),
+            "rollout_s": rollout_s,
+            "teacher_s": teacher_s,
+            "update_s": update_s,
+        }
+        if reward_fn is not None:
+            metrics["reward_mean"] = tot[12] / max(tot[13], 1.0)
+        for j, k in enumerate(keys):
+            s, c = tot[14 + 2 * j], tot[15 + 2 * j]
+            metrics[k if k not in metrics else f"info_{k}"] = s / c if c > 0 else 0.0
+        if accelerator.is_main_process:
+            history.append(metrics)
+            if on_step is not None:
+                on_step(metrics)
+            bar.set_postfix(kl=f"{metrics['kl']:.4f}")
+    bar.close()
+    accelerator.wait_for_everyone()
+    trained = accelerator.unwrap_model(model)
+    trained.eval()
+    return OPDResult(model=trained, history=history)
+
+
+def _vocab_of(model: torch.nn.Module) -> int:
+    return int(model.get_output_embeddings().weight.shape[0])
