@@ -376,12 +376,16 @@ def test_numbers_measured_on_another_checkpoint_are_not_attached(tmp_path: Path,
 @pytest.fixture()
 def cli_root(tmp_path: Path, store: str, monkeypatch: pytest.MonkeyPatch, model_name: str) -> Path:
     import mlflow
+    from mlflow.tracking._tracking_service import utils as tracking_utils
 
     params = {"promote": {"lock_timeout_s": 5, "models": {model_name: GATES.model_dump()}}}
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
+    # The CLI's MlflowClient() reads MLflow's global URI, which another test may have set;
+    # set ours and afterwards put back exactly what was there (None = not set), or later
+    # tests (the smoke pipeline) would write to this store.
+    before = tracking_utils._tracking_uri
     monkeypatch.setenv("MLFLOW_TRACKING_URI", store)
-    before = mlflow.get_tracking_uri()
-    mlflow.set_tracking_uri(store)  # another test module may have set a global URI
+    mlflow.set_tracking_uri(store)
     yield tmp_path
     mlflow.set_tracking_uri(before)
 
