@@ -60,7 +60,7 @@ def make_workspace(src: Path, dest: Path, profile: str | None = None, data_dir: 
     # The data folder is relative to the source project; make it absolute so the copy finds it.
     params["prepare"]["data_dir"] = str((data_dir or (src / params["prepare"]["data_dir"])).resolve())
     (dest / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
-    (dest / ".gitignore").write_text("/mlflow.db\n/mlruns/\n/data/\n/checkpoints/\n/metrics/\n__pycache__/\n")
+    (dest / ".gitignore").write_text("/mlflow.db\n/mlruns/\n/data/\n/checkpoints/\n/metrics/\n/reports/\n/.promote-*.lock\n__pycache__/\n")
     git = ["git", "-c", "user.name=gr2", "-c", "user.email=gr2@localhost", "-c", "init.defaultBranch=main"]
     subprocess.run([*git, "init", "-q"], cwd=dest, check=True)
     dvc = [sys.executable, "-m", "dvc"]
