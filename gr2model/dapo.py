@@ -30,6 +30,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from accelerate import Accelerator
@@ -309,6 +310,202 @@ class _Rollout:
     completion: list[int]
     reward: float
     advantage: float
+    extra: Any = None  # what the sampler kept besides the completion (e.g. a diffusion trajectory)
+
+
+Sampler = Callable[[list[int]], list[tuple[list[int], Any]]]
+"""(prompt indices) -> for each prompt, G (completion, extra) pairs, prompt-major."""
+
+
+@dataclass
+class _StepSamples:
+    """One step's rollouts after dynamic sampling, and the tallies of every sampled one."""
+
+    kept: list[_Rollout]
+    rewards: list[float]
+    lengths: list[int]
+    truncated: int
+    info_sums: dict[str, list[float]]  # key -> [sum, count]
+    sampled_groups: int
+    kept_groups: int
+    rounds: int
+
+
+def _sample_step(
+    stream: _PromptStream,
+    sample: Sampler,
+    reward_fn: RewardFn,
+    *,
+    prompts_per_step: int,
+    group_size: int,
+    max_resample_rounds: int,
+    eos_id: int,
+    rank: int,
+    world: int,
+    global_sum: Callable[[list[float]], list[float]],
+) -> _StepSamples:
+    """Draw prompts, sample G completions each, score them, keep the informative groups.
+
+    Dynamic sampling: all-equal groups are dropped and the shortfall of prompts
+    is drawn again, up to `max_resample_rounds` extra rounds. Every process
+    draws the same prompts (the stream is shared) and samples its slice
+    (rank::world); the number of kept groups is agreed by an all-reduce, so all
+    processes take the same number of rounds.
+    """
+    G = group_size
+    out = _StepSamples([], [], [], 0, {}, 0, 0, 0)
+    to_draw = prompts_per_step
+    while True:
+        drawn = stream.take(to_draw)
+        mine = drawn[rank::world]
+        if mine:
+            completions = sample(mine)
+            rewards = torch.zeros((len(mine), G))
+            for j, (seq, _) in enumerate(completions):
+                value, info = reward_fn(mine[j // G], list(seq))
+                rewards[j // G, j % G] = float(value)
+                out.rewards.append(float(value))
+                out.lengths.append(len(seq))
+                out.truncated += int(not seq or seq[-1] != eos_id)
+                for k, v in info.items():
+                    tally = out.info_sums.setdefault(k, [0.0, 0.0])
+                    tally[0] += float(v)
+                    tally[1] += 1.0
+            adv, keep = group_advantages(rewards)
+            for g in keep.nonzero().flatten().tolist():
+                for j in range(G):
+                    seq, extra = completions[g * G + j]
+                    out.kept.append(_Rollout(mine[g], seq, float(rewards[g, j]), float(adv[g, j]), extra))
+        # Every process must agree on whether to draw again.
+        out.kept_groups = int(global_sum([len(out.kept) / G])[0])
+        out.sampled_groups += len(drawn)
+        out.rounds += 1
+        if out.kept_groups >= prompts_per_step or out.rounds > max_resample_rounds:
+            return out
+        to_draw = prompts_per_step - out.kept_groups
+
+
+def _update_policy(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    accelerator: Accelerator,
+    kept: list[_Rollout],
+    old: list[torch.Tensor],
+    logprobs: Callable[[torch.nn.Module, list[_Rollout]], tuple[torch.Tensor, torch.Tensor]],
+    n_scored: Callable[[_Rollout], int],
+    *,
+    n_kept_global: int,
+    minibatch_size: int,
+    inner_epochs: int,
+    clip_low: float,
+    clip_high: float,
+    grad_clip: float,
+    shuffle_gen: torch.Generator,
+    pad_id: int,
+    global_sum: Callable[[list[float]], list[float]],
+) -> tuple[dict[str, float], list[float]]:
+    """`inner_epochs` passes of `dapo_loss` over shuffled minibatches, one optimizer step each.
+
+    Args:
+        kept: this process's rollouts; old: their old log-probs, one (T_i,)
+            tensor each, aligned with the columns of `logprobs`'s rows.
+        logprobs: (model, rollouts) -> (logp (n, T), mask (n, T)) with gradients.
+        n_scored: the number of scored tokens of a rollout (= its mask's sum).
+        n_kept_global: kept rollouts over all processes (sets the number of
+            minibatches, the same on every process: DDP needs matching backwards).
+    Returns:
+        token-weighted sums {loss, clip_fraction, ratio_mean, approx_kl, tokens}
+        and the grad norms of the optimizer steps.
+    """
+    world = accelerator.num_processes
+    upd = {"loss": 0.0, "clip_fraction": 0.0, "ratio_mean": 0.0, "approx_kl": 0.0, "tokens": 0.0}
+    grad_norms: list[float] = []
+    if n_kept_global == 0:
+        return upd, grad_norms
+    n_mb = math.ceil(n_kept_global / minibatch_size)
+    for _ in range(inner_epochs):
+        order = torch.randperm(len(kept), generator=shuffle_gen)
+        # The same number of minibatches on every process, each holding this process's share.
+        for idx in torch.tensor_split(order, n_mb):
+            idx = idx.tolist()
+            n_tok_local = sum(n_scored(kept[i]) for i in idx)
+            n_tok_global = global_sum([float(n_tok_local)])[0]
+            if n_tok_global == 0:
+                # Empty on every process (possible when the local splits
+                # misalign): skip together, no Adam step on a zero gradient.
+                continue
+            if idx:
+                chunk = [kept[i] for i in idx]
+                logp, mask = logprobs(model, chunk)
+                old_lp = torch.zeros_like(logp)
+                for row, i in enumerate(idx):
+                    old_lp[row, : old[i].shape[0]] = old[i]
+                advs = torch.tensor([r.advantage for r in chunk], device=logp.device)
+                loss, stats = dapo_loss(logp, old_lp, advs, mask, clip_low, clip_high)
+                # Token-level over the global minibatch: rescale this process's
+                # token mean to its share of all tokens; DDP then averages over
+                # processes, hence * world.
+                scaled = loss * (n_tok_local * world / max(n_tok_global, 1.0))
+                for k in ("clip_fraction", "ratio_mean", "approx_kl"):
+                    upd[k] += stats[k] * stats["tokens"]
+                upd["loss"] += float(loss.detach()) * stats["tokens"]
+                upd["tokens"] += stats["tokens"]
+            else:
+                scaled = _zero_grad_forward(model, pad_id)
+            accelerator.backward(scaled)
+            if grad_clip > 0:
+                grad_norms.append(float(accelerator.clip_grad_norm_(model.parameters(), grad_clip)))
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    return upd, grad_norms
+
+
+def _step_metrics(
+    step: int,
+    samples: _StepSamples,
+    upd: dict[str, float],
+    grad_norms: list[float],
+    lr: float,
+    rollout_s: float,
+    update_s: float,
+    global_sum: Callable[[list[float]], list[float]],
+) -> dict[str, float]:
+    """The metrics of one step, summed over processes (see `train_dapo`'s on_step)."""
+    keys = sorted({k for ks in gather_object([sorted(samples.info_sums)]) for k in ks})
+    rewards_all = samples.rewards
+    local = [
+        sum(rewards_all), sum(r * r for r in rewards_all), float(len(rewards_all)), float(sum(samples.lengths)),
+        float(samples.truncated), upd["loss"], upd["clip_fraction"], upd["ratio_mean"], upd["approx_kl"],
+        upd["tokens"],
+    ]
+    for k in keys:
+        local += samples.info_sums.get(k, [0.0, 0.0])
+    tot = global_sum(local)
+    n = max(tot[2], 1.0)
+    tokens = max(tot[9], 1.0)
+    mean = tot[0] / n
+    metrics: dict[str, float] = {
+        "step": float(step + 1),
+        "reward_mean": mean,
+        "reward_std": math.sqrt(max(tot[1] / n - mean * mean, 0.0)),
+        "sampled_groups": float(samples.sampled_groups),
+        "kept_groups": float(samples.kept_groups),
+        "resample_rounds": float(samples.rounds - 1),
+        "response_length": tot[3] / n,
+        "truncated_rate": tot[4] / n,
+        "loss": tot[5] / tokens,
+        "clip_fraction": tot[6] / tokens,
+        "ratio_mean": tot[7] / tokens if tot[9] > 0 else 1.0,
+        "approx_kl": tot[8] / tokens,
+        "grad_norm": sum(grad_norms) / len(grad_norms) if grad_norms else 0.0,
+        "lr": lr,
+        "rollout_s": rollout_s,
+        "update_s": update_s,
+    }
+    for j, k in enumerate(keys):
+        s, c = tot[10 + 2 * j], tot[11 + 2 * j]
+        metrics[k if k not in metrics else f"info_{k}"] = s / c if c > 0 else 0.0
+    return metrics
 
 
 def _zero_grad_forward(model: torch.nn.Module, pad_id: int) -> torch.Tensor:
@@ -390,146 +587,55 @@ def train_dapo(
     def global_sum(values: list[float]) -> list[float]:
         return accelerator.reduce(torch.tensor(values, dtype=torch.float64, device=device), reduction="sum").tolist()
 
+    def sample(mine: list[int]) -> list[tuple[list[int], Any]]:
+        rows = [prompts[i] for i in mine for _ in range(G)]
+        out = ar_generate(
+            policy, rows, pad_id=pad_id, eos_id=eos_id, max_new_tokens=cfg.max_new_tokens,
+            temperature=cfg.temperature, generator=sample_gen,
+        )
+        return [(seq, None) for seq in out.sequences]
+
+    def logprobs(m: torch.nn.Module, chunk: list[_Rollout]) -> tuple[torch.Tensor, torch.Tensor]:
+        return sequence_logprobs(m, [prompts[r.prompt_index] for r in chunk], [r.completion for r in chunk], pad_id)
+
     history: list[dict[str, float]] = []
     bar = tqdm(range(cfg.steps), desc="dapo", disable=not accelerator.is_main_process)
     for step in bar:
-        # ---------------------------------------------------------- rollouts
         t0 = time.perf_counter()
-        kept: list[_Rollout] = []
-        rewards_all: list[float] = []
-        lengths: list[int] = []
-        truncated = 0
-        info_sums: dict[str, list[float]] = {}  # key -> [sum, count]
-        sampled_groups, kept_groups, rounds = 0, 0, 0
-        to_draw = cfg.prompts_per_step
-        while True:
-            drawn = stream.take(to_draw)
-            mine = drawn[rank::world]
-            if mine:
-                rows = [prompts[i] for i in mine for _ in range(G)]
-                out = ar_generate(
-                    policy, rows, pad_id=pad_id, eos_id=eos_id, max_new_tokens=cfg.max_new_tokens,
-                    temperature=cfg.temperature, generator=sample_gen,
-                )
-                rewards = torch.zeros((len(mine), G))
-                for j, seq in enumerate(out.sequences):
-                    value, info = reward_fn(mine[j // G], list(seq))
-                    rewards[j // G, j % G] = float(value)
-                    rewards_all.append(float(value))
-                    lengths.append(len(seq))
-                    truncated += int(not seq or seq[-1] != eos_id)
-                    for k, v in info.items():
-                        tally = info_sums.setdefault(k, [0.0, 0.0])
-                        tally[0] += float(v)
-                        tally[1] += 1.0
-                adv, keep = group_advantages(rewards)
-                for g in keep.nonzero().flatten().tolist():
-                    for j in range(G):
-                        kept.append(_Rollout(mine[g], out.sequences[g * G + j], float(rewards[g, j]), float(adv[g, j])))
-            # Every process must agree on whether to draw again.
-            kept_groups = int(global_sum([len(kept) / G])[0])
-            sampled_groups += len(drawn)
-            rounds += 1
-            if kept_groups >= cfg.prompts_per_step or rounds > cfg.max_resample_rounds:
-                break
-            to_draw = cfg.prompts_per_step - kept_groups
+        samples = _sample_step(
+            stream, sample, reward_fn, prompts_per_step=cfg.prompts_per_step, group_size=G,
+            max_resample_rounds=cfg.max_resample_rounds, eos_id=eos_id, rank=rank, world=world, global_sum=global_sum,
+        )
+        kept = samples.kept
         rollout_s = time.perf_counter() - t0
 
-        # ------------------------------------------------------------ update
         t1 = time.perf_counter()
-        upd = {"loss": 0.0, "clip_fraction": 0.0, "ratio_mean": 0.0, "approx_kl": 0.0, "tokens": 0.0}
-        grad_norms: list[float] = []
-        n_kept_global = kept_groups * G
-        if n_kept_global > 0:
+        old: list[torch.Tensor] = []
+        if samples.kept_groups > 0:
             # The unwrapped module: processes run different numbers of these
             # forwards, and a DDP forward may sync buffers (a collective). autocast
             # gives the same numerics as the prepared model's forward under mixed precision.
             with torch.no_grad(), accelerator.autocast():
-                old: list[torch.Tensor] = []
                 for start in range(0, len(kept), cfg.minibatch_size):
                     chunk = kept[start : start + cfg.minibatch_size]
-                    lp, _ = sequence_logprobs(
-                        policy, [prompts[r.prompt_index] for r in chunk], [r.completion for r in chunk], pad_id
-                    )
+                    lp, _ = logprobs(policy, chunk)
                     old += [lp[i, : len(r.completion)] for i, r in enumerate(chunk)]
-            n_mb = math.ceil(n_kept_global / cfg.minibatch_size)
-            for _ in range(cfg.inner_epochs):
-                order = torch.randperm(len(kept), generator=shuffle_gen)
-                # The same number of minibatches on every process (DDP needs
-                # matching backward calls), each holding this process's share.
-                for idx in torch.tensor_split(order, n_mb):
-                    idx = idx.tolist()
-                    n_tok_local = sum(len(kept[i].completion) for i in idx)
-                    n_tok_global = global_sum([float(n_tok_local)])[0]
-                    if n_tok_global == 0:
-                        # Empty on every process (possible when the local splits
-                        # misalign): skip together, no Adam step on a zero gradient.
-                        continue
-                    if idx:
-                        chunk = [kept[i] for i in idx]
-                        logp, mask = sequence_logprobs(
-                            model, [prompts[r.prompt_index] for r in chunk], [r.completion for r in chunk], pad_id
-                        )
-                        old_lp = torch.zeros_like(logp)
-                        for row, i in enumerate(idx):
-                            old_lp[row, : old[i].shape[0]] = old[i]
-                        advs = torch.tensor([r.advantage for r in chunk], device=logp.device)
-                        loss, stats = dapo_loss(logp, old_lp, advs, mask, cfg.clip_low, cfg.clip_high)
-                        # Token-level over the global minibatch: rescale this
-                        # process's token mean to its share of all tokens; DDP
-                        # then averages over processes, hence * world.
-                        scaled = loss * (n_tok_local * world / max(n_tok_global, 1.0))
-                        for k in ("clip_fraction", "ratio_mean", "approx_kl"):
-                            upd[k] += stats[k] * stats["tokens"]
-                        upd["loss"] += float(loss.detach()) * stats["tokens"]
-                        upd["tokens"] += stats["tokens"]
-                    else:
-                        scaled = _zero_grad_forward(model, pad_id)
-                    accelerator.backward(scaled)
-                    if cfg.grad_clip > 0:
-                        grad_norms.append(float(accelerator.clip_grad_norm_(model.parameters(), cfg.grad_clip)))
-                    optimizer.step()
-                    optimizer.zero_grad(set_to_none=True)
+        upd, grad_norms = _update_policy(
+            model, optimizer, accelerator, kept, old, logprobs, lambda r: len(r.completion),
+            n_kept_global=samples.kept_groups * G, minibatch_size=cfg.minibatch_size, inner_epochs=cfg.inner_epochs,
+            clip_low=cfg.clip_low, clip_high=cfg.clip_high, grad_clip=cfg.grad_clip, shuffle_gen=shuffle_gen,
+            pad_id=pad_id, global_sum=global_sum,
+        )
         update_s = time.perf_counter() - t1
 
-        # ----------------------------------------------------------- metrics
-        keys = sorted({k for ks in gather_object([sorted(info_sums)]) for k in ks})
-        local = [
-            sum(rewards_all), sum(r * r for r in rewards_all), float(len(rewards_all)), float(sum(lengths)),
-            float(truncated), upd["loss"], upd["clip_fraction"], upd["ratio_mean"], upd["approx_kl"], upd["tokens"],
-        ]
-        for k in keys:
-            local += info_sums.get(k, [0.0, 0.0])
-        tot = global_sum(local)
-        n = max(tot[2], 1.0)
-        tokens = max(tot[9], 1.0)
-        mean = tot[0] / n
-        metrics: dict[str, float] = {
-            "step": float(step + 1),
-            "reward_mean": mean,
-            "reward_std": math.sqrt(max(tot[1] / n - mean * mean, 0.0)),
-            "sampled_groups": float(sampled_groups),
-            "kept_groups": float(kept_groups),
-            "resample_rounds": float(rounds - 1),
-            "response_length": tot[3] / n,
-            "truncated_rate": tot[4] / n,
-            "loss": tot[5] / tokens,
-            "clip_fraction": tot[6] / tokens,
-            "ratio_mean": tot[7] / tokens if tot[9] > 0 else 1.0,
-            "approx_kl": tot[8] / tokens,
-            "grad_norm": sum(grad_norms) / len(grad_norms) if grad_norms else 0.0,
-            "lr": float(optimizer.param_groups[0]["lr"]),
-            "rollout_s": rollout_s,
-            "update_s": update_s,
-        }
-        for j, k in enumerate(keys):
-            s, c = tot[10 + 2 * j], tot[11 + 2 * j]
-            metrics[k if k not in metrics else f"info_{k}"] = s / c if c > 0 else 0.0
+        metrics = _step_metrics(
+            step, samples, upd, grad_norms, float(optimizer.param_groups[0]["lr"]), rollout_s, update_s, global_sum
+        )
         if accelerator.is_main_process:
             history.append(metrics)
             if on_step is not None:
                 on_step(metrics)
-            bar.set_postfix(reward=f"{mean:.3f}", kept=kept_groups)
+            bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", kept=samples.kept_groups)
     bar.close()
     accelerator.wait_for_everyone()
     trained = accelerator.unwrap_model(model)

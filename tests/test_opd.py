@@ -4,12 +4,15 @@ replay (zero loss when the models agree), and a student that moves toward its te
 
 from __future__ import annotations
 
+import faulthandler
 import math
 from dataclasses import replace
 
 import polars as pl
 import pytest
 import torch
+from accelerate import Accelerator, debug_launcher
+from accelerate.state import AcceleratorState
 from torch.distributions import Categorical, kl_divergence
 
 from gr2model.ar_model import ARModelConfig, build_ar_model
@@ -220,3 +223,32 @@ def test_train_opd_checks_its_inputs(tok) -> None:
         train_opd(tiny_model(tok), teacher, tok, [[8, 9]], OPDConfig(steps=1))  # not converted
     with pytest.raises(ValueError):
         OPDConfig(kind="sideways")
+
+
+def _opd_worker(tok, prompts: list[list[int]], cfg: OPDConfig, out) -> None:
+    """One of two processes (forked by debug_launcher): distil, save the weights."""
+    faulthandler.dump_traceback_later(60, exit=True)  # a deadlock fails the test instead of hanging it
+    AcceleratorState._reset_state(True)  # the parent's single-process state came along with the fork
+    acc = Accelerator(cpu=True)
+    torch.set_num_threads(1)
+    assert acc.num_processes == 2
+    teacher = tiny_model(tok, seed=0, scale=0.3)
+    student = convert_to_block_diffusion(tiny_model(tok, seed=1), tok, 4)
+    result = train_opd(student, teacher, tok, prompts, cfg, accelerator=acc)
+    torch.save([p.detach() for p in result.model.parameters()], out / f"rank{acc.process_index}.pt")
+    torch.save(result.history, out / f"history{acc.process_index}.pt")
+    faulthandler.cancel_dump_traceback_later()
+
+
+def test_train_opd_on_two_processes(tok, tmp_path) -> None:
+    """Two CPU processes under DDP with uneven shares (3 prompts per step: 2 and 1, and
+    minibatches of 2 rollouts, so one process has an empty minibatch each step): no
+    deadlock, the replicas stay equal, the KL falls."""
+    cfg = OPDConfig(rollouts_per_prompt=2, prompts_per_step=3, steps=12, minibatch_size=2, lr=2e-3, threshold=0.5,
+                    max_new_tokens=8)
+    debug_launcher(_opd_worker, args=(tok, random_prompts(tok, 16, seed=4), cfg, tmp_path), num_processes=2)
+    rank0, rank1 = torch.load(tmp_path / "rank0.pt"), torch.load(tmp_path / "rank1.pt")
+    assert all(torch.equal(a, b) for a, b in zip(rank0, rank1))
+    history = torch.load(tmp_path / "history0.pt")
+    assert len(history) == 12 and torch.load(tmp_path / "history1.pt") == []
+    assert sum(h["kl"] for h in history[-3:]) < sum(h["kl"] for h in history[:3])
