@@ -26,6 +26,7 @@ all-reduces, so several processes take the same step as one process would.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -403,6 +404,7 @@ def _update_policy(
     shuffle_gen: torch.Generator,
     pad_id: int,
     global_sum: Callable[[list[float]], list[float]],
+    split: Callable[[list[_Rollout]], list[list[int]]] | None = None,
 ) -> tuple[dict[str, float], list[float]]:
     """`inner_epochs` passes of `dapo_loss` over shuffled minibatches, one optimizer step each.
 
@@ -413,6 +415,9 @@ def _update_policy(
         n_scored: the number of scored tokens of a rollout (= its mask's sum).
         n_kept_global: kept rollouts over all processes (sets the number of
             minibatches, the same on every process: DDP needs matching backwards).
+        split: optionally, (a minibatch's rollouts) -> parts (lists of their
+            indices), one forward/backward each, gradients accumulated (the
+            step is the same); None: the whole minibatch in one forward.
     Returns:
         token-weighted sums {loss, clip_fraction, ratio_mean, approx_kl, tokens}
         and the grad norms of the optimizer steps.
@@ -435,24 +440,28 @@ def _update_policy(
                 # misalign): skip together, no Adam step on a zero gradient.
                 continue
             if idx:
-                chunk = [kept[i] for i in idx]
-                logp, mask = logprobs(model, chunk)
-                old_lp = torch.zeros_like(logp)
-                for row, i in enumerate(idx):
-                    old_lp[row, : old[i].shape[0]] = old[i]
-                advs = torch.tensor([r.advantage for r in chunk], device=logp.device)
-                loss, stats = dapo_loss(logp, old_lp, advs, mask, clip_low, clip_high)
-                # Token-level over the global minibatch: rescale this process's
-                # token mean to its share of all tokens; DDP then averages over
-                # processes, hence * world.
-                scaled = loss * (n_tok_local * world / max(n_tok_global, 1.0))
-                for k in ("clip_fraction", "ratio_mean", "approx_kl"):
-                    upd[k] += stats[k] * stats["tokens"]
-                upd["loss"] += float(loss.detach()) * stats["tokens"]
-                upd["tokens"] += stats["tokens"]
+                parts = [idx] if split is None else [[idx[k] for k in part] for part in split([kept[i] for i in idx])]
+                for j, part in enumerate(parts):
+                    # DDP all-reduces once, at the last backward of the minibatch.
+                    with accelerator.no_sync(model) if j < len(parts) - 1 else contextlib.nullcontext():
+                        chunk = [kept[i] for i in part]
+                        logp, mask = logprobs(model, chunk)
+                        old_lp = torch.zeros_like(logp)
+                        for row, i in enumerate(part):
+                            old_lp[row, : old[i].shape[0]] = old[i]
+                        advs = torch.tensor([r.advantage for r in chunk], device=logp.device)
+                        loss, stats = dapo_loss(logp, old_lp, advs, mask, clip_low, clip_high)
+                        # Token-level over the global minibatch: rescale this part's
+                        # token mean to its share of all tokens; DDP then averages
+                        # over processes, hence * world.
+                        scaled = loss * (stats["tokens"] * world / max(n_tok_global, 1.0))
+                        for k in ("clip_fraction", "ratio_mean", "approx_kl"):
+                            upd[k] += stats[k] * stats["tokens"]
+                        upd["loss"] += float(loss.detach()) * stats["tokens"]
+                        upd["tokens"] += stats["tokens"]
+                        accelerator.backward(scaled)
             else:
-                scaled = _zero_grad_forward(model, pad_id)
-            accelerator.backward(scaled)
+                accelerator.backward(_zero_grad_forward(model, pad_id))
             if grad_clip > 0:
                 grad_norms.append(float(accelerator.clip_grad_norm_(model.parameters(), grad_clip)))
             optimizer.step()

@@ -103,6 +103,8 @@ __all__ = [
     "Trajectory",
     "trajectories_from_decode",
     "replay_plan",
+    "replay_columns",
+    "split_by_columns",
     "build_replay_batch",
     "replay_logits",
     "replay_logprobs",
@@ -217,6 +219,54 @@ def replay_plan(steps: torch.Tensor, targets: torch.Tensor, block_size: int) -> 
     for k, u in enumerate(per_block):
         plan[: len(u), k] = u  # torch.unique sorts
     return plan
+
+
+def replay_columns(
+    traj: Trajectory, *, block_size: int, include_tail: bool = False, max_copies: int = DEFAULT_MAX_COPIES
+) -> int:
+    """Columns (tokens) of the replay rows of one trajectory, without building them.
+
+    R canvases in ceil(R / c) rows of p + (copies + 1) L columns (c = max_copies,
+    or R when <= 0); 0 when nothing is scored.
+    """
+    L = math.ceil(len(traj.tokens) / block_size) * block_size
+    scored: dict[int, set[int]] = {}
+    for pos, step in enumerate(traj.steps):
+        if step >= 0 and (pos < traj.length or include_tail):
+            scored.setdefault(pos // block_size, set()).add(step)
+    R = max((len(v) for v in scored.values()), default=0)
+    if R == 0:
+        return 0
+    chunk = R if max_copies <= 0 else max_copies
+    full, rest = divmod(R, chunk)
+    return full * (len(traj.prompt) + (chunk + 1) * L) + (len(traj.prompt) + (rest + 1) * L if rest else 0)
+
+
+def split_by_columns(columns: Sequence[int], max_columns: int) -> list[list[int]]:
+    """Consecutive parts of items whose summed columns stay within `max_columns`.
+
+    For gradient accumulation over a minibatch: one forward per part bounds
+    the width of a replay batch (on a CPU a wide batch is slower per column,
+    see `gr2model.opd.OPDConfig.micro_batch_columns`). An item wider than the
+    budget gets a part of its own; max_columns <= 0 gives one part.
+
+    Args:
+        columns: the columns of each item, in order (`replay_columns`).
+    Returns:
+        lists of item indices (0-based), in order, covering every item once.
+    """
+    if max_columns <= 0:
+        return [list(range(len(columns)))] if len(columns) else []
+    parts: list[list[int]] = []
+    used = 0
+    for i, c in enumerate(columns):
+        if parts and used + c <= max_columns:
+            parts[-1].append(i)
+            used += c
+        else:
+            parts.append([i])
+            used = c
+    return parts
 
 
 def build_replay_batch(

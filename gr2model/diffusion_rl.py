@@ -63,7 +63,14 @@ from gr2model.dapo import (
     _update_policy,
 )
 from gr2model.diffusion_decode import diffusion_generate
-from gr2model.diffusion_replay import DEFAULT_MAX_COPIES, Trajectory, replay_logprobs, trajectories_from_decode
+from gr2model.diffusion_replay import (
+    DEFAULT_MAX_COPIES,
+    Trajectory,
+    replay_columns,
+    replay_logprobs,
+    split_by_columns,
+    trajectories_from_decode,
+)
 
 __all__ = ["DiffusionRLConfig", "DiffusionRLResult", "train_diffusion_rl"]
 
@@ -76,12 +83,16 @@ class DiffusionRLConfig(DAPOConfig):
     threshold: the decoder's commit threshold for the rollouts (as at inference).
     old_logprobs: "decode" (the decoder's, default) or "replay" (module docstring).
     max_copies: canvases per replay row (`gr2model.diffusion_replay`).
+    micro_batch_columns: the most replay columns per forward/backward inside a
+        minibatch (gradients accumulate; <= 0: all at once); see
+        `gr2model.opd.OPDConfig` for the measurement behind 16,384.
     """
 
     clip_high: float = 0.2
     threshold: float = 0.9
     old_logprobs: Literal["decode", "replay"] = "decode"
     max_copies: int = DEFAULT_MAX_COPIES
+    micro_batch_columns: int = 16_384
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -193,6 +204,12 @@ def train_diffusion_rl(
             max_copies=cfg.max_copies,
         )
 
+    def split(chunk: list[_Rollout]) -> list[list[int]]:
+        widths = [
+            replay_columns(r.extra, block_size=block_size, include_tail=True, max_copies=cfg.max_copies) for r in chunk
+        ]
+        return split_by_columns(widths, cfg.micro_batch_columns)
+
     history: list[dict[str, float]] = []
     bar = tqdm(range(cfg.steps), desc="diffusion-rl", disable=not accelerator.is_main_process)
     for step in bar:
@@ -222,7 +239,7 @@ def train_diffusion_rl(
             model, optimizer, accelerator, kept, old, logprobs, lambda r: _scored(r.extra),
             n_kept_global=samples.kept_groups * G, minibatch_size=cfg.minibatch_size, inner_epochs=cfg.inner_epochs,
             clip_low=cfg.clip_low, clip_high=cfg.clip_high, grad_clip=cfg.grad_clip, shuffle_gen=shuffle_gen,
-            pad_id=pad_id, global_sum=global_sum,
+            pad_id=pad_id, global_sum=global_sum, split=split,
         )
         update_s = time.perf_counter() - t1
 

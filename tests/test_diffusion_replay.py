@@ -14,8 +14,10 @@ from gr2model.diffusion_decode import diffusion_generate
 from gr2model.diffusion_replay import (
     Trajectory,
     build_replay_batch,
+    replay_columns,
     replay_logprobs,
     replay_plan,
+    split_by_columns,
     trajectories_from_decode,
 )
 from gr2model.sft import IGNORE_INDEX
@@ -214,3 +216,17 @@ def test_replay_has_gradients(model, prompts) -> None:
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     assert grads and all(torch.isfinite(g).all() for g in grads) and any(g.abs().sum() > 0 for g in grads)
     model.zero_grad(set_to_none=True)
+
+
+def test_replay_columns_and_parts(model, prompts) -> None:
+    out = decode(model, prompts)
+    trajs = trajectories_from_decode(prompts, out)
+    for include_tail in (False, True):
+        for max_copies in (1, 3, 0):
+            kw = dict(block_size=4, include_tail=include_tail, max_copies=max_copies)
+            widths = [replay_columns(t, **kw) for t in trajs]
+            for t, w in zip(trajs, widths):
+                batch = build_replay_batch([t], mask_id=MASK, pad_id=PAD, **kw)
+                assert int(batch["n_tokens"]) == w
+    assert split_by_columns([5, 3, 4, 9, 1], 8) == [[0, 1], [2], [3], [4]]  # 9 > 8: a part of its own
+    assert split_by_columns([5, 3], 0) == [[0, 1]] and split_by_columns([], 8) == []

@@ -108,7 +108,8 @@ def test_replay_old_logprobs_and_inner_epochs(tok) -> None:
                              threshold=0.3, seed=3)
     runs = {}
     for mode in ("decode", "replay"):
-        runs[mode] = train_diffusion_rl(policy(tok), tok, prompts, hits_reward(target), replace(base, old_logprobs=mode))
+        run_cfg = replace(base, old_logprobs=mode)
+        runs[mode] = train_diffusion_rl(policy(tok), tok, prompts, hits_reward(target), run_cfg)
     a, b = runs["decode"].history[0], runs["replay"].history[0]
     assert a["reward_mean"] == b["reward_mean"] and a["kept_groups"] == b["kept_groups"] > 0
     assert b["ratio_mean"] == pytest.approx(1.0, abs=1e-6) and b["approx_kl"] < 1e-10
@@ -173,3 +174,19 @@ def test_train_diffusion_rl_on_two_processes(tok, tmp_path: Path) -> None:
     history = torch.load(tmp_path / "history0.pt")
     assert len(history) == 12 and torch.load(tmp_path / "history1.pt") == []
     assert sum(h["reward_mean"] for h in history[-3:]) > sum(h["reward_mean"] for h in history[:3])
+
+
+def test_micro_batches_take_the_same_step(tok) -> None:
+    """Gradient accumulation over parts of a minibatch is the whole minibatch's step."""
+    target = tok.convert_tokens_to_ids('"recommendations"')
+    prompts = random_prompts(tok, 8, seed=8)
+    cfg = DiffusionRLConfig(group_size=4, prompts_per_step=2, steps=2, minibatch_size=8, lr=1e-2, max_new_tokens=4,
+                            threshold=0.3, micro_batch_columns=0)
+    runs = [train_diffusion_rl(policy(tok), tok, prompts, hits_reward(target), replace(cfg, micro_batch_columns=m))
+            for m in (0, 1, 60)]
+    for other in runs[1:]:
+        for a, b in zip(runs[0].history, other.history):
+            assert a["reward_mean"] == b["reward_mean"]
+            assert a["loss"] == pytest.approx(b["loss"], abs=1e-6)
+        pairs = zip(runs[0].model.parameters(), other.model.parameters())
+        assert all(torch.allclose(a, b, atol=1e-5) for a, b in pairs)
