@@ -167,28 +167,31 @@ def test_decoder_logprobs_cached_equals_recompute(model, prompts) -> None:
         assert all((t == MASK) == (s < 0) for t, s in zip(tail, tail_steps))
 
 
+@pytest.mark.parametrize("block_size", [1, 4])
 @pytest.mark.parametrize("batch", [1, 5])
 @pytest.mark.parametrize("max_copies", [1, 2, 0])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_replay_equals_the_decode(model, prompts, batch, max_copies, temperature) -> None:
-    """Block 4: every committed token (cut tails included), replayed under the same weights,
-    has the log-prob the decoder computed when it committed it."""
+def test_replay_equals_the_decode(model, prompts, block_size, batch, max_copies, temperature) -> None:
+    """Every committed token (cut tails included), replayed under the same weights, has the
+    log-prob the decoder computed when it committed it."""
     rows = prompts[:batch] if batch > 1 else prompts[3:4]
-    out = decode(model, rows, temperature=temperature, generator=torch.Generator().manual_seed(0))
+    out = decode(model, rows, block_size=block_size, temperature=temperature,
+                 generator=torch.Generator().manual_seed(0))
     trajs = trajectories_from_decode(rows, out)
-    logp, mask = replay(model, trajs, 4, include_tail=True, max_copies=max_copies)
+    logp, mask = replay(model, trajs, block_size, include_tail=True, max_copies=max_copies)
     for i, t in enumerate(trajs):
         scored = [j for j, s in enumerate(t.steps) if s >= 0]
         assert mask[i].nonzero().squeeze(-1).tolist() == scored
         torch.testing.assert_close(logp[i, scored], torch.tensor([t.logprobs[j] for j in scored]), atol=1e-5, rtol=0)
     # Without the tail: the sequence only, the same values.
-    seq_lp, seq_mask = replay(model, trajs, 4, max_copies=max_copies)
+    seq_lp, seq_mask = replay(model, trajs, block_size, max_copies=max_copies)
     for i, t in enumerate(trajs):
         assert seq_mask[i].tolist() == [1.0] * t.length + [0.0] * (seq_mask.shape[1] - t.length)
         torch.testing.assert_close(seq_lp[i, : t.length], logp[i, : t.length], atol=1e-6, rtol=0)
     # Fewer canvases than forwards: the replay does not cost one row per step.
-    canvases = build_replay_batch(trajs, block_size=4, mask_id=MASK, pad_id=PAD, include_tail=True, max_copies=1)
-    assert canvases["input_ids"].shape[0] <= 4 * len(trajs)
+    canvases = build_replay_batch(trajs, block_size=block_size, mask_id=MASK, pad_id=PAD, include_tail=True,
+                                  max_copies=1)
+    assert canvases["input_ids"].shape[0] <= block_size * len(trajs)
 
 
 def test_block_size_one_is_ar(model, prompts) -> None:
