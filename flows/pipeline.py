@@ -163,4 +163,8 @@ def pipeline(root: str = ".", stages: list[str] | None = None, force: bool = Fal
             create_table_artifact(_summary_table(summaries), key="gr2-pipeline-stages", description="Stages of this run")
             md = "\n\n".join(f"### {s['stage']} ({s['status']})\n```json\n{json.dumps(s['metrics'], indent=2)}\n```" for s in summaries)
             create_markdown_artifact(md, key="gr2-pipeline-metrics", description="metrics/<stage>.json of every stage")
+            # The paper's two tables (accuracy ablation, decode speed) as artifacts of the run that made them.
+            for name, report in (("evaluation", "reports/evaluate.md"), ("speed", "reports/speed.md")):
+                if any(s["stage"] == "evaluate" and s["status"] == "ran" for s in summaries) and (rootp / report).exists():
+                    create_markdown_artifact((rootp / report).read_text(), key=f"gr2-{name}", description=report)
     return summaries

@@ -43,6 +43,8 @@ MODEL_STAGES: dict[str, ModelStage] = {
     "sft": ModelStage("sft", "gr2", "checkpoints/gr2-sft", _RERANKER_FILES),
     "ar_rl": ModelStage("ar_rl", "gr2", "checkpoints/gr2", _RERANKER_FILES),
     "cft": ModelStage("cft", "diffusion-gr2", "checkpoints/dgr2-cft", _RERANKER_FILES),
+    "opd": ModelStage("opd", "diffusion-gr2", "checkpoints/dgr2-opd", _RERANKER_FILES),
+    "rl": ModelStage("rl", "diffusion-gr2", "checkpoints/dgr2", _RERANKER_FILES),
 }
 
 

@@ -13,13 +13,14 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 import polars as pl
 import torch
 
 from gr2model.checkpoint import load_hf_checkpoint, read_stage_config, save_hf_checkpoint
-from gr2model.dapo import DAPOConfig, train_dapo
+from gr2model.dapo import DAPOConfig, RewardFn, train_dapo
 from gr2model.data import load_prepared
 from gr2model.rerank_eval import prompts_of, rerank_examples
 from gr2model.rerank_format import FormatConfig, ItemText, parse_response
@@ -66,6 +67,34 @@ def training_prompts(root: Path, fmt: FormatConfig, items: ItemText, max_prompts
     return lists.with_columns(pl.Series("prompt", prompts_of(lists, items, fmt)))
 
 
+def make_reward_fn(tok: Any, examples: pl.DataFrame, items: ItemText, rcfg: RewardConfig) -> RewardFn:
+    """The conditional verifiable reward of a completion of training prompt i (ar_rl, opd monitoring, rl).
+
+    Info logged per step: valid (a valid permutation), copy (the incoming order
+    copied), hit1 (the target ranked first).
+    """
+    candidates = examples["candidates"].to_list()
+    targets = examples["target"].to_list()
+
+    def reward_fn(i: int, completion: list[int]) -> tuple[float, dict[str, float]]:
+        parsed = parse_response(tok.decode(completion, skip_special_tokens=False), candidates[i], items)
+        info = {"valid": float(parsed.valid_permutation), "copy": float(parsed.copies_incoming), "hit1": float(parsed.ranking[0] == targets[i])}
+        return rerank_reward(parsed, candidates[i], targets[i], rcfg), info
+
+    return reward_fn
+
+
+def first_last_summary(history: list[dict[str, float]], keys: Sequence[str]) -> dict[str, float | None]:
+    """Mean of each key over the first and the last fifth of the steps: `{key}_first`, `{key}_last`."""
+    head, tail = history[: max(1, len(history) // 5)], history[-max(1, len(history) // 5) :]
+
+    def avg(rows: list[dict[str, float]], key: str) -> float | None:
+        vals = [r[key] for r in rows if key in r]
+        return sum(vals) / len(vals) if vals else None
+
+    return {f"{k}_{when}": avg(rows, k) for k in keys for when, rows in (("first", head), ("last", tail))}
+
+
 def run(cfg: ArRlConfig, root: Path, log: logging.Logger, tracker: StageTracker) -> dict[str, Any]:
     timings: dict[str, float] = {}
     start = time.perf_counter()
@@ -76,14 +105,8 @@ def run(cfg: ArRlConfig, root: Path, log: logging.Logger, tracker: StageTracker)
     model, tok = load_hf_checkpoint(root / SFT_CHECKPOINT)
     examples = training_prompts(root, fmt, items, cfg.max_prompts)
     prompts = [tok(p, add_special_tokens=False)["input_ids"] for p in examples["prompt"].to_list()]
-    candidates = examples["candidates"].to_list()
-    targets = examples["target"].to_list()
     rcfg = RewardConfig(format_bonus=cfg.format_bonus, invalid_penalty=cfg.invalid_penalty)
-
-    def reward_fn(i: int, completion: list[int]) -> tuple[float, dict[str, float]]:
-        parsed = parse_response(tok.decode(completion, skip_special_tokens=False), candidates[i], items)
-        info = {"valid": float(parsed.valid_permutation), "copy": float(parsed.copies_incoming), "hit1": float(parsed.ranking[0] == targets[i])}
-        return rerank_reward(parsed, candidates[i], targets[i], rcfg), info
+    reward_fn = make_reward_fn(tok, examples, items, rcfg)
 
     dcfg = DAPOConfig(
         **cfg.model_dump(exclude={"format_bonus", "invalid_penalty", "max_prompts"}),
@@ -95,18 +118,11 @@ def run(cfg: ArRlConfig, root: Path, log: logging.Logger, tracker: StageTracker)
         )
     with atomic_dir(root / CHECKPOINT) as out:
         save_hf_checkpoint(out, result.model, tok, {"stage": STAGE, "from": str(SFT_CHECKPOINT), "sft": read_stage_config(root / SFT_CHECKPOINT), STAGE: cfg.model_dump()})
-    hist = result.history
-    head, tail = hist[: max(1, len(hist) // 5)], hist[-max(1, len(hist) // 5) :]
-
-    def avg(rows: list[dict[str, float]], key: str) -> float | None:
-        vals = [r[key] for r in rows if key in r]
-        return sum(vals) / len(vals) if vals else None
-
     return {
-        "steps": len(hist),
+        "steps": len(result.history),
         "prompts_available": len(prompts),
         # first and last fifth of training: the rollouts' own reward, validity and copy rate
-        **{f"{k}_{when}": avg(rows, k) for k in ("reward_mean", "valid", "copy", "hit1") for when, rows in (("first", head), ("last", tail))},
+        **first_last_summary(result.history, ("reward_mean", "valid", "copy", "hit1")),
         **timings,
         "seconds": round(time.perf_counter() - start, 2),
     }

@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -52,14 +53,21 @@ SPEED_REPORT = Path("reports/speed.md")
 AR_MODELS: dict[str, Path] = {"gr2-sft": Path("checkpoints/gr2-sft"), "gr2": Path("checkpoints/gr2")}
 GR2 = AR_MODELS["gr2"]
 NAIVE = "dgr2-naive"  # GR2 converted without training: the structural gap that CFT closes
-DIFFUSION_MODELS: dict[str, Path] = {"dgr2-cft": Path("checkpoints/dgr2-cft")}
+DIFFUSION_MODELS: dict[str, Path] = {
+    "dgr2-cft": Path("checkpoints/dgr2-cft"),
+    "dgr2-opd": Path("checkpoints/dgr2-opd"),
+    "dgr2": Path("checkpoints/dgr2"),
+}
+# The paper's ablation: each row adds one stage to the one before it.
+ABLATION = ("prerank", "gr2", NAIVE, *DIFFUSION_MODELS)
+ABLATION_METRICS = ("recall@1", "recall@3", "ndcg@3", "valid_format_rate", "valid_permutation_rate")
 
 
 class BenchParams(StageConfig):
     taus: list[float] = [0.9, 0.7, 0.5, 0.3]
     batch_sizes: list[int] = [1, 16]
     examples: int = 64  # the first N test re-ranking examples (the same for every decoder)
-    naive: bool = False  # also benchmark dgr2-naive (its answers are mostly invalid)
+    models: list[str] = ["dgr2-cft", "dgr2"]  # diffusion models raced against GR2 (those that exist)
 
 
 class EvaluateConfig(StageConfig):
@@ -85,11 +93,13 @@ def teacher_rankings(teacher: ExpertTeacher, lists: pl.DataFrame) -> list[list[i
     return out
 
 
-def markdown_table(results: dict[str, dict[str, dict[str, float]]], split: str) -> str:
-    """One split of the results as a markdown table, models as rows."""
-    cols = list(RERANK_METRIC_NAMES)
+def markdown_table(
+    results: dict[str, dict[str, dict[str, float]]], split: str, models: Sequence[str] | None = None, cols: Sequence[str] = RERANK_METRIC_NAMES
+) -> str:
+    """One split of the results as a markdown table, models as rows (all, or `models` in that order)."""
     lines = [f"| model | {' | '.join(cols)} |", f"|---|{'---|' * len(cols)}"]
-    for model, by_split in results.items():
+    for model in models if models is not None else list(results):
+        by_split = results.get(model, {})
         if split in by_split:
             m = by_split[split]
             lines.append(f"| {model} | " + " | ".join(f"{m[c]:.4f}" if c != "n" else str(int(m[c])) for c in cols) + " |")
@@ -132,7 +142,7 @@ def run_bench(cfg: EvaluateConfig, root: Path, log: logging.Logger, models: dict
     lists = rerank_examples(pl.read_parquet(root / CANDIDATES / "test.parquet")).head(cfg.bench.examples)
     gr2, tok = load_hf_checkpoint(root / GR2)
     models = models if models is not None else diffusion_models(root, cfg.naive_block_size)
-    racers = {name: m for name, (m, _) in models.items() if cfg.bench.naive or name != NAIVE}
+    racers = {name: models[name][0] for name in cfg.bench.models if name in models}
     log.info("decode benchmark: %d test examples, AR (ours, HF) vs %s at tau %s, batch sizes %s", lists.height, list(racers), cfg.bench.taus, cfg.bench.batch_sizes)
     on_row = lambda r: log.info("bench %s %s tau=%s b%d: %.0f tok/s, %.2fx, %.3f NFE/token, R@1 %.4f, valid %.3f", r["decoder"], r["model"], r["tau"], r["batch_size"], r["tokens_per_s"], r["speedup"], r["nfe_per_token"], r["recall@1"], r["valid_format_rate"])  # noqa: E731
     rows = decode_benchmark(
@@ -187,7 +197,9 @@ def run(cfg: EvaluateConfig, root: Path, log: logging.Logger, tracker: StageTrac
         evaluate_model(model_name, model, tok)
 
     report = "\n\n".join(f"## {s}\n\n{markdown_table(results, s)}" for s in cfg.splits)
-    write_text_atomic(f"# Re-ranking evaluation\n\n{report}\n", root / REPORT)
+    ablation_split = "test" if "test" in cfg.splits else cfg.splits[-1]
+    ablation = f"## Ablation ({ablation_split}, diffusion at tau {cfg.tau})\n\n{markdown_table(results, ablation_split, ABLATION, ABLATION_METRICS)}"
+    write_text_atomic(f"# Re-ranking evaluation\n\n{ablation}\n\n{report}\n", root / REPORT)
     tracker.log_artifact(root / REPORT)
     if models:
         with timed(log, "decode-speed benchmark", timings, "bench_s"):

@@ -59,19 +59,20 @@ def test_dvc_outputs_and_metrics(smoke_run: dict[str, Any]) -> None:
     assert (ws / "checkpoints/retriever/COMPLETE").exists()
     traces = json.loads((ws / "metrics/traces.json").read_text())
     assert traces["kept"] > 0 and 0.0 < traces["kept_rate"] <= 1.0
-    for ckpt in ("gr2-sft", "gr2", "dgr2-cft"):
+    for ckpt in ("gr2-sft", "gr2", "dgr2-cft", "dgr2-opd", "dgr2"):
         assert (ws / f"checkpoints/{ckpt}/COMPLETE").exists()
     assert json.loads((ws / "checkpoints/dgr2-cft/config.json").read_text())["block_size"] == 32
     evaluation = json.loads((ws / "metrics/evaluate.json").read_text())
-    for model in ("prerank", "teacher", "random", "gr2-sft", "gr2", "dgr2-naive", "dgr2-cft"):
+    for model in ("prerank", "teacher", "random", "gr2-sft", "gr2", "dgr2-naive", "dgr2-cft", "dgr2-opd", "dgr2"):
         for split in ("valid", "test"):
             m = evaluation[model][split]
             assert set(m) >= {"recall@1", "recall@3", "recall@5", "ndcg@3", "ndcg@5", "valid_format_rate", "valid_permutation_rate", "copy_incoming_rate", "n"}
             assert m["n"] > 0
     assert evaluation["prerank"]["test"]["copy_incoming_rate"] == 1.0
     speed = json.loads((ws / "metrics/speed.json").read_text())
-    # smoke bench: batch sizes 1 and 4; AR (ours, HF) + dgr2-cft at two thresholds each
-    assert len(speed["rows"]) == 2 * (2 + 2)
+    # smoke bench: batch sizes 1 and 4; AR (ours, HF) + dgr2-cft and dgr2 at two thresholds each
+    assert len(speed["rows"]) == 2 * (2 + 2 * 2)
+    assert {r["model"] for r in speed["rows"] if r["decoder"] == "diffusion"} == {"dgr2-cft", "dgr2"}
     for row in speed["rows"]:
         assert set(row) >= {"decoder", "model", "tau", "batch_size", "tokens_per_s", "speedup", "nfe_per_token", "response_tokens", "recall@1", "valid_format_rate"}
         assert row["tokens_per_s"] > 0 and row["nfe_per_token"] > 0
@@ -79,6 +80,9 @@ def test_dvc_outputs_and_metrics(smoke_run: dict[str, Any]) -> None:
         ar = [r for r in speed["rows"] if r["batch_size"] == bs and r["decoder"] in ("ar", "hf")]
         assert max(r["speedup"] for r in ar) == 1.0  # speed-ups are relative to the faster AR decoder
     assert "| decoder |" in (ws / "reports/speed.md").read_text()
+    assert "## Ablation (test" in (ws / "reports/evaluate.md").read_text()
+    for stage in ("opd", "rl"):
+        assert json.loads((ws / f"metrics/{stage}.json").read_text())["steps"] == 1
     lock = (ws / "dvc.lock").read_text()
     assert "checkpoints/retriever" in lock and "data/prepared" in lock
 
@@ -126,7 +130,8 @@ def test_retriever_registered_once_and_serves(smoke_run: dict[str, Any]) -> None
     gr2_versions = client.search_model_versions("name = 'gr2'")
     assert sorted(v.tags["stage"] for v in gr2_versions) == ["ar_rl", "sft"]
     assert client.get_model_version_by_alias("gr2", "challenger").tags["stage"] == "ar_rl"
-    assert [v.tags["stage"] for v in client.search_model_versions("name = 'diffusion-gr2'")] == ["cft"]
+    assert sorted(v.tags["stage"] for v in client.search_model_versions("name = 'diffusion-gr2'")) == ["cft", "opd", "rl"]
+    assert client.get_model_version_by_alias("diffusion-gr2", "challenger").tags["stage"] == "rl"
 
     model = mlflow.pyfunc.load_model("models:/gr2-retriever@challenger")
     out = model.predict(pd.DataFrame({"history": [[1, 2, 3], [10]]}))

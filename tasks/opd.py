@@ -1,0 +1,86 @@
+"""Stage `opd`: on-policy distillation of the CFT re-ranker from GR2 (closes the distributional gap).
+
+CFT trained the diffusion model on GR2's fixed trajectories (off-policy). Here
+the student decodes training prompts with its real decoder (block KV cache,
+threshold rule, sampled), GR2 scores the same tokens in one causal forward, and
+the student is trained toward GR2's per-token distributions on its own tokens
+(forward KL by default), each token scored on the exact canvas it was committed
+from (gr2model.opd, gr2model.diffusion_replay). The re-ranking reward of the
+rollouts is logged, never trained on.
+
+    python -m tasks.opd
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gr2model.checkpoint import load_hf_checkpoint, read_stage_config, save_hf_checkpoint
+from gr2model.data import load_prepared
+from gr2model.opd import OPDConfig, train_opd
+from gr2model.rerank_format import ItemText
+from gr2model.rewards import RewardConfig
+from tasks.ar_rl import first_last_summary, make_reward_fn, training_prompts
+from tasks.common import StageConfig, atomic_dir, stage_main, timed
+from tasks.traces import load_format
+from tasks.tracking import StageTracker
+
+STAGE = "opd"
+PREPARED = Path("data/prepared")
+STUDENT = Path("checkpoints/dgr2-cft")
+TEACHER = Path("checkpoints/gr2")
+CHECKPOINT = Path("checkpoints/dgr2-opd")
+METRICS = Path("metrics/opd.json")
+
+
+class OpdStageConfig(StageConfig):
+    seed: int = 0
+    max_prompts: int = 2000  # training re-ranking examples the prompts are drawn from (0 = all)
+    # The library's config is the params schema (unknown keys and bad values name the field).
+    train: OPDConfig = OPDConfig()
+
+
+CONFIG = OpdStageConfig
+
+
+def run(cfg: OpdStageConfig, root: Path, log: logging.Logger, tracker: StageTracker) -> dict[str, Any]:
+    """Distil GR2 into `checkpoints/dgr2-cft` on its own rollouts; save `checkpoints/dgr2-opd`."""
+    timings: dict[str, float] = {}
+    start = time.perf_counter()
+    torch.manual_seed(cfg.seed)
+    ds, _ = load_prepared(root / PREPARED)
+    items = ItemText(ds.items)
+    fmt = load_format(root)
+    student, tok = load_hf_checkpoint(root / STUDENT)
+    teacher, _ = load_hf_checkpoint(root / TEACHER)
+    examples = training_prompts(root, fmt, items, cfg.max_prompts)
+    prompts = [tok(p, add_special_tokens=False)["input_ids"] for p in examples["prompt"].to_list()]
+    reward_fn = make_reward_fn(tok, examples, items, RewardConfig())
+    ocfg = cfg.train
+    on_step = lambda m: tracker.log_metrics({k: v for k, v in m.items() if k != "step"}, step=int(m["step"]))  # noqa: E731
+    with timed(log, f"OPD: {ocfg.steps} steps x {ocfg.prompts_per_step} prompts x {ocfg.rollouts_per_prompt} rollouts ({ocfg.kind} KL)", timings, "train_s"):
+        result = train_opd(student, teacher, tok, prompts, ocfg, reward_fn=reward_fn, on_step=on_step)
+    with atomic_dir(root / CHECKPOINT) as out:
+        save_hf_checkpoint(out, result.model, tok, {"stage": STAGE, "from": str(STUDENT), "teacher": str(TEACHER), "cft": read_stage_config(root / STUDENT), STAGE: cfg.model_dump()})
+    keys = sorted({k for h in result.history for k in h} & {"kl", "loss", "reward_mean", "valid", "copy", "hit1", "tokens_per_forward"})
+    return {
+        "steps": len(result.history),
+        "prompts_available": len(prompts),
+        # first and last fifth of training: KL to the teacher and the rollouts' own reward/validity
+        **first_last_summary(result.history, keys),
+        **timings,
+        "seconds": round(time.perf_counter() - start, 2),
+    }
+
+
+def main() -> None:
+    stage_main(STAGE, CONFIG, run, METRICS)
+
+
+if __name__ == "__main__":
+    main()

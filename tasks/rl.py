@@ -1,0 +1,83 @@
+"""Stage `rl`: RL of the diffusion re-ranker (trajectory-level DAPO with step replay) -> Diffusion-GR2.
+
+Starts from the OPD checkpoint. Rollouts come from the real decoder and record
+the step at which each token was committed; the update replays each step's
+masked canvas to score those tokens under the current policy and clips the
+per-token importance ratio (gr2model.diffusion_rl). The reward is ar_rl's
+conditional verifiable reward: rank promotion of the target, a format bonus
+only when the target moved up (or stayed first), -1 for an invalid answer.
+
+    python -m tasks.rl
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gr2model.checkpoint import load_hf_checkpoint, read_stage_config, save_hf_checkpoint
+from gr2model.data import load_prepared
+from gr2model.diffusion_rl import DiffusionRLConfig, train_diffusion_rl
+from gr2model.rerank_format import ItemText
+from gr2model.rewards import RewardConfig
+from tasks.ar_rl import first_last_summary, make_reward_fn, training_prompts
+from tasks.common import StageConfig, atomic_dir, stage_main, timed
+from tasks.traces import load_format
+from tasks.tracking import StageTracker
+
+STAGE = "rl"
+PREPARED = Path("data/prepared")
+START = Path("checkpoints/dgr2-opd")
+CHECKPOINT = Path("checkpoints/dgr2")
+METRICS = Path("metrics/rl.json")
+
+
+class RlStageConfig(StageConfig):
+    seed: int = 0
+    max_prompts: int = 2000  # training re-ranking examples the prompts are drawn from (0 = all)
+    format_bonus: float = 0.2
+    invalid_penalty: float = -1.0
+    # The library's config is the params schema (unknown keys and bad values name the field).
+    train: DiffusionRLConfig = DiffusionRLConfig()
+
+
+CONFIG = RlStageConfig
+
+
+def run(cfg: RlStageConfig, root: Path, log: logging.Logger, tracker: StageTracker) -> dict[str, Any]:
+    """RL of `checkpoints/dgr2-opd` against the re-ranking reward; save `checkpoints/dgr2`."""
+    timings: dict[str, float] = {}
+    start = time.perf_counter()
+    torch.manual_seed(cfg.seed)
+    ds, _ = load_prepared(root / PREPARED)
+    items = ItemText(ds.items)
+    fmt = load_format(root)
+    model, tok = load_hf_checkpoint(root / START)
+    examples = training_prompts(root, fmt, items, cfg.max_prompts)
+    prompts = [tok(p, add_special_tokens=False)["input_ids"] for p in examples["prompt"].to_list()]
+    reward_fn = make_reward_fn(tok, examples, items, RewardConfig(format_bonus=cfg.format_bonus, invalid_penalty=cfg.invalid_penalty))
+    rcfg = cfg.train
+    on_step = lambda m: tracker.log_metrics({k: v for k, v in m.items() if k != "step"}, step=int(m["step"]))  # noqa: E731
+    with timed(log, f"diffusion RL: {rcfg.steps} steps x {rcfg.prompts_per_step} prompts x {rcfg.group_size} rollouts", timings, "train_s"):
+        result = train_diffusion_rl(model, tok, prompts, reward_fn, rcfg, on_step=on_step)
+    with atomic_dir(root / CHECKPOINT) as out:
+        save_hf_checkpoint(out, result.model, tok, {"stage": STAGE, "from": str(START), "opd": read_stage_config(root / START), STAGE: cfg.model_dump()})
+    return {
+        "steps": len(result.history),
+        "prompts_available": len(prompts),
+        **first_last_summary(result.history, ("reward_mean", "valid", "copy", "hit1", "tokens_per_forward")),
+        **timings,
+        "seconds": round(time.perf_counter() - start, 2),
+    }
+
+
+def main() -> None:
+    stage_main(STAGE, CONFIG, run, METRICS)
+
+
+if __name__ == "__main__":
+    main()
