@@ -40,20 +40,11 @@ METRICS = Path("metrics/ar_rl.json")
 
 class ArRlConfig(StageConfig):
     seed: int = 0
-    group_size: int = 8
-    prompts_per_step: int = 8
-    steps: int = 30
-    inner_epochs: int = 1
-    minibatch_size: int = 16
-    lr: float = 5e-5
-    clip_low: float = 0.2
-    clip_high: float = 0.28
-    temperature: float = 1.0
-    max_new_tokens: int = 320
-    max_resample_rounds: int = 3
     format_bonus: float = 0.2
     invalid_penalty: float = -1.0
     max_prompts: int = 2000  # training re-ranking examples the prompts are drawn from (0 = all)
+    # The library's config is the params schema (unknown keys and bad values name the field).
+    train: DAPOConfig = DAPOConfig(max_new_tokens=320)
 
 
 CONFIG = ArRlConfig
@@ -108,9 +99,7 @@ def run(cfg: ArRlConfig, root: Path, log: logging.Logger, tracker: StageTracker)
     rcfg = RewardConfig(format_bonus=cfg.format_bonus, invalid_penalty=cfg.invalid_penalty)
     reward_fn = make_reward_fn(tok, examples, items, rcfg)
 
-    dcfg = DAPOConfig(
-        **cfg.model_dump(exclude={"format_bonus", "invalid_penalty", "max_prompts"}),
-    )
+    dcfg = cfg.train
     with timed(log, f"DAPO: {dcfg.steps} steps x {dcfg.prompts_per_step} prompts x {dcfg.group_size} samples", timings, "train_s"):
         result = train_dapo(
             model, tok, prompts, reward_fn, dcfg,

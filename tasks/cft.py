@@ -20,7 +20,6 @@ from __future__ import annotations
 import logging
 import random
 import time
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -40,28 +39,13 @@ CHECKPOINT = Path("checkpoints/dgr2-cft")
 METRICS = Path("metrics/cft.json")
 
 
-class CftTrainParams(StageConfig):
-    epochs: int = 2
-    batch_size: int = 16
-    lr: float = 3e-4
-    weight_decay: float = 0.0
-    warmup_steps: int = 20
-    reasoning_weight: float = 1.0
-    answer_weight: float = 2.0
-    pad_weight: float = 1.0
-    max_length: int = 1024
-    t_min: float = 0.0
-    grad_clip: float = 1.0
-    valid_every: int = 0
-
-
 class CftStageConfig(StageConfig):
-    seed: int = 0
-    block_size: int = 32
-    only_valid: bool = True  # train only on trajectories whose answer is a valid permutation
+    seed: int = 0  # the train/valid split
+    only_valid: bool = False  # train only on trajectories whose answer is a valid permutation
     valid_fraction: float = 0.05  # trajectories held out for a validation loss
     max_examples: int = 0  # 0 = every (kept) trajectory
-    train: CftTrainParams = CftTrainParams()
+    # The library's config is the params schema (unknown keys and bad values name the field).
+    train: CFTConfig = CFTConfig(block_size=32)
 
 
 CONFIG = CftStageConfig
@@ -86,15 +70,15 @@ def run(cfg: CftStageConfig, root: Path, log: logging.Logger, tracker: StageTrac
     log.info("%d of %d trajectories kept (only_valid=%s): %d train / %d validation", len(pairs), table.height, cfg.only_valid, len(train), len(valid))
 
     ar_model, tok = load_hf_checkpoint(root / GR2)
-    model = convert_to_block_diffusion(ar_model, tok, cfg.block_size)
+    ccfg = cfg.train
+    model = convert_to_block_diffusion(ar_model, tok, ccfg.block_size)
     del ar_model
-    ccfg = CFTConfig(**cfg.train.model_dump(), block_size=cfg.block_size, seed=cfg.seed)
     step_metrics = lambda m: tracker.log_metrics({k: v for k, v in m.items() if k != "step"}, step=int(m.get("step", 0)))  # noqa: E731
     with timed(log, f"CFT for {ccfg.epochs} epochs (block size {ccfg.block_size})", timings, "train_s"):
         result = train_cft(model, tok, train, ccfg, valid=valid or None, on_step=step_metrics)
     lineage = read_stage_config(root / GR2)
     with atomic_dir(root / CHECKPOINT) as out:
-        save_hf_checkpoint(out, result.model, tok, {"stage": STAGE, **cfg.model_dump(), "cft": asdict(ccfg), "converted_from": lineage})
+        save_hf_checkpoint(out, result.model, tok, {"stage": STAGE, **cfg.model_dump(), "converted_from": lineage})
     last = next((h for h in reversed(result.history) if "loss" in h), {})
     valid_losses = [h for h in result.history if any(k.startswith("valid") for k in h)]
     return {
@@ -102,7 +86,7 @@ def run(cfg: CftStageConfig, root: Path, log: logging.Logger, tracker: StageTrac
         "kept": len(pairs),
         "train_examples": len(train),
         "valid_examples": len(valid),
-        "block_size": cfg.block_size,
+        "block_size": ccfg.block_size,
         "steps": result.steps,
         "final_train_loss": last.get("loss"),
         "valid": {k: v for k, v in (valid_losses[-1] if valid_losses else {}).items() if k.startswith("valid")},

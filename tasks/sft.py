@@ -14,7 +14,6 @@ from __future__ import annotations
 import logging
 import random
 import time
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -37,32 +36,11 @@ CHECKPOINT = Path("checkpoints/gr2-sft")
 METRICS = Path("metrics/sft.json")
 
 
-class ModelParams(StageConfig):
-    hidden_size: int = 128
-    num_layers: int = 2
-    num_heads: int = 4
-    num_kv_heads: int = 2
-    intermediate_size: int = 384
-    max_position_embeddings: int = 1024
-    pretrained_path: str | None = None
-
-
-class TrainParams(StageConfig):
-    epochs: int = 2
-    batch_size: int = 16
-    lr: float = 2e-3
-    weight_decay: float = 0.0
-    warmup_steps: int = 20
-    reasoning_weight: float = 1.0
-    answer_weight: float = 2.0
-    max_length: int = 1024
-    grad_clip: float = 1.0
-
-
 class SftStageConfig(StageConfig):
-    seed: int = 0
-    model: ModelParams = ModelParams()
-    train: TrainParams = TrainParams()
+    seed: int = 0  # model initialisation and the train/valid split
+    # The library's configs are the params schema (unknown keys and bad values name the field).
+    model: ARModelConfig = ARModelConfig(hidden_size=128, num_layers=2, intermediate_size=384)
+    train: SFTConfig = SFTConfig(epochs=2, lr=2e-3)
     valid_fraction: float = 0.05  # traces held out for a validation loss
     max_examples: int = 0  # 0 = every kept trace
 
@@ -96,17 +74,17 @@ def run(cfg: SftStageConfig, root: Path, log: logging.Logger, tracker: StageTrac
 
     tok = build_tokenizer_for(ds.items, cfg.model.pretrained_path)
     ids = special_ids(tok)
-    mcfg = ARModelConfig(**cfg.model.model_dump())
+    mcfg = cfg.model
     model = build_ar_model(mcfg, len(tok), pad_id=ids["pad"], bos_id=ids["bos"], eos_id=ids["eos"], seed=cfg.seed)
     n_params = count_parameters(model)
     log.info("model: %d parameters, vocabulary %d; %d training / %d validation traces", n_params, len(tok), len(train), len(valid))
 
-    scfg = SFTConfig(**cfg.train.model_dump(), seed=cfg.seed)
+    scfg = cfg.train
     step_metrics = lambda m: tracker.log_metrics({k: v for k, v in m.items() if k != "step"}, step=int(m.get("step", 0)))  # noqa: E731
     with timed(log, f"SFT for {scfg.epochs} epochs", timings, "train_s"):
         result = train_sft(model, tok, train, scfg, valid=valid or None, on_step=step_metrics)
     with atomic_dir(root / CHECKPOINT) as out:
-        save_hf_checkpoint(out, result.model, tok, {"stage": STAGE, **cfg.model_dump(), "sft": asdict(scfg)})
+        save_hf_checkpoint(out, result.model, tok, {"stage": STAGE, **cfg.model_dump()})
     last = next((h for h in reversed(result.history) if "loss" in h), {})
     valid_losses = [h for h in result.history if any(k.startswith("valid") for k in h)]
     return {
