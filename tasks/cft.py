@@ -67,7 +67,10 @@ def run(cfg: CftStageConfig, root: Path, log: logging.Logger, tracker: StageTrac
     rng.shuffle(pairs)
     n_valid = max(1, int(len(pairs) * cfg.valid_fraction)) if cfg.valid_fraction > 0 and len(pairs) > 1 else 0
     valid, train = pairs[:n_valid], pairs[n_valid:]
-    log.info("%d of %d trajectories kept (only_valid=%s): %d train / %d validation", len(pairs), table.height, cfg.only_valid, len(train), len(valid))
+    log.info(
+        "%d trajectories, %d kept (only_valid=%s), %d used (max_examples=%d): %d train / %d validation",
+        table.height, kept.height, cfg.only_valid, len(pairs), cfg.max_examples, len(train), len(valid),
+    )  # fmt: skip
 
     ar_model, tok = load_hf_checkpoint(root / GR2)
     ccfg = cfg.train
