@@ -87,18 +87,15 @@ from the clean previous token), so the loss of a pair equals the SFT loss
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
-from torch.utils.data import DataLoader
-from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from gr2model.sft import IGNORE_INDEX, SFTConfig, _split_metrics, encode_example, warmup_cosine_factor
+from gr2model.sft import IGNORE_INDEX, SFTConfig, _stats, encode_example, run_train_loop
 
 __all__ = [
     "KIND_ANSWER",
@@ -519,18 +516,7 @@ def _loss_sums(
     weighted = (w * nll).sum()
     with torch.no_grad():
         kind = batch["kind"][keep]
-        is_reason = kind == KIND_REASONING
-        is_answer = kind == KIND_ANSWER
-        stats = torch.stack(
-            [
-                w.sum(),
-                weighted.detach(),
-                (nll * is_reason).sum(),
-                is_reason.sum().float(),
-                (nll * is_answer).sum(),
-                is_answer.sum().float(),
-            ]
-        )
+        stats = _stats(w, weighted, nll, kind == KIND_REASONING, kind == KIND_ANSWER)
     return weighted, stats, batch["n_tokens"]
 
 
@@ -580,7 +566,7 @@ def _valid_stats(
 
 def _index_batch(indices: list[int]) -> torch.Tensor:
     # The loader yields example indices; the batch (and its noise) is built in
-    # the loop, where the epoch is known.
+    # train_cft's loss_sums, where the epoch is known.
     return torch.tensor(indices, dtype=torch.long)
 
 
@@ -596,7 +582,7 @@ def train_cft(
 ) -> CFTResult:
     """Conversion fine-tuning of a causal LM on (prompt, response) pairs (module docstring).
 
-    The loop of `gr2model.sft.train_sft`: encode (`encode_cft_example`), a
+    The loop of `gr2model.sft.train_sft` (`gr2model.sft.run_train_loop`): encode (`encode_cft_example`), a
     shuffled seeded DataLoader, AdamW with warmup then cosine decay, everything
     through `accelerator.prepare`; per step: noise each example
     (`example_masks`), build the rows (`build_cft_batch`), forward with the 4D
@@ -639,73 +625,21 @@ def train_cft(
         raise ValueError("no training example with a response block")
     valid_enc = _encode_all(tok, valid, cfg, "valid") if valid else []
 
-    loader = DataLoader(
+    def loss_sums(m: torch.nn.Module, indices: torch.Tensor, epoch: int) -> tuple[torch.Tensor, ...]:
+        idx = indices.tolist()
+        masks = [example_masks(len(train_enc[i]["response_ids"]), cfg, epoch=epoch, index=i) for i in idx]
+        return _loss_sums(m, _batch_on(train_enc, idx, masks, cfg, mask_id, pad_id, accelerator.device))
+
+    trained, history, steps = run_train_loop(
+        model,
         list(range(len(train_enc))),
-        batch_size=cfg.batch_size,
-        shuffle=True,
-        generator=torch.Generator().manual_seed(cfg.seed),
-        collate_fn=_index_batch,
+        _index_batch,
+        loss_sums,
+        cfg,
+        accelerator=accelerator,
+        valid_stats=(lambda m: _valid_stats(m, valid_enc, cfg, mask_id, pad_id, accelerator)) if valid_enc else None,
+        valid_every=cfg.valid_every,
+        on_step=on_step,
+        desc="cft",
     )
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    model.train()
-    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
-    total_steps = cfg.epochs * len(loader)
-    # After prepare, on the per-process number of steps, and not prepared (see train_sft).
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: warmup_cosine_factor(s, cfg.warmup_steps, total_steps)
-    )
-
-    history: list[dict[str, float]] = []
-
-    def emit(metrics: dict[str, float]) -> None:
-        if accelerator.is_main_process:
-            history.append(metrics)
-            if on_step is not None:
-                on_step(metrics)
-
-    def validate(epoch: int) -> None:
-        model.eval()
-        # The unwrapped module: processes may score different numbers of batches.
-        vstats = _valid_stats(accelerator.unwrap_model(model), valid_enc, cfg, mask_id, pad_id, accelerator)
-        emit({"step": float(step), "epoch": float(epoch), **_split_metrics(vstats, "valid_")})
-        model.train()
-
-    world = accelerator.num_processes
-    step = 0
-    bar = tqdm(total=total_steps, desc="cft", disable=not accelerator.is_main_process)
-    for epoch in range(cfg.epochs):
-        model.train()
-        for indices in loader:
-            t0 = time.perf_counter()
-            lr = scheduler.get_last_lr()[0]
-            idx = indices.tolist()
-            masks = [example_masks(len(train_enc[i]["response_ids"]), cfg, epoch=epoch, index=i) for i in idx]
-            batch = _batch_on(train_enc, idx, masks, cfg, mask_id, pad_id, accelerator.device)
-            weighted, stats, n_tokens = _loss_sums(model, batch)
-            # One all-reduce: the global weight (normaliser) and the logged sums;
-            # DDP averages gradients over processes, hence * world.
-            totals = accelerator.reduce(torch.cat([stats, n_tokens.float()[None]]), reduction="sum")
-            loss = weighted * world / totals[0].clamp(min=torch.finfo(torch.float32).tiny)
-            accelerator.backward(loss)
-            grad_norm = float("nan")
-            if cfg.grad_clip > 0:
-                grad_norm = float(accelerator.clip_grad_norm_(model.parameters(), cfg.grad_clip))
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-            step += 1
-            seconds = time.perf_counter() - t0
-            metrics = {"step": float(step), "epoch": float(epoch), **_split_metrics(totals[:6])}
-            metrics.update(lr=lr, grad_norm=grad_norm, tokens_per_s=float(totals[6]) / max(seconds, 1e-9))
-            emit(metrics)
-            bar.update(1)
-            bar.set_postfix(loss=f"{metrics['loss']:.4f}")
-            if valid_enc and cfg.valid_every and step % cfg.valid_every == 0:
-                validate(epoch)
-        if valid_enc and not (cfg.valid_every and step % cfg.valid_every == 0):
-            validate(epoch)  # once per epoch, unless a step validation just ran
-    bar.close()
-    accelerator.wait_for_everyone()
-    trained = accelerator.unwrap_model(model)
-    trained.eval()
-    return CFTResult(model=trained, history=history, steps=step)
+    return CFTResult(model=trained, history=history, steps=steps)

@@ -27,6 +27,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -45,6 +46,7 @@ __all__ = [
     "collate_right_padded",
     "weighted_lm_loss",
     "warmup_cosine_factor",
+    "run_train_loop",
     "train_sft",
 ]
 
@@ -281,18 +283,24 @@ def _loss_sums(
     weighted = (w * nll).sum()
     with torch.no_grad():
         is_reason = (batch["reasoning"][:, 1:] == 1) & valid
-        is_answer = valid & ~is_reason
-        stats = torch.stack(
-            [
-                w.sum(),
-                weighted.detach(),
-                (nll * is_reason).sum(),
-                is_reason.sum().float(),
-                (nll * is_answer).sum(),
-                is_answer.sum().float(),
-            ]
-        )
+        stats = _stats(w, weighted, nll, is_reason, valid & ~is_reason)
     return weighted, stats, batch["attention_mask"].sum()
+
+
+def _stats(
+    w: torch.Tensor, weighted: torch.Tensor, nll: torch.Tensor, is_reason: torch.Tensor, is_answer: torch.Tensor
+) -> torch.Tensor:
+    """The 6 summed loss stats (see `_loss_sums`; also `gr2model.cft._loss_sums`)."""
+    return torch.stack(
+        [
+            w.sum(),
+            weighted.detach(),
+            (nll * is_reason).sum(),
+            is_reason.sum().float(),
+            (nll * is_answer).sum(),
+            is_answer.sum().float(),
+        ]
+    )
 
 
 def _split_metrics(stats: torch.Tensor, prefix: str = "") -> dict[str, float]:
@@ -325,6 +333,122 @@ def _valid_stats(
     return accelerator.reduce(stats, reduction="sum")
 
 
+class LoopConfig(Protocol):
+    """What `run_train_loop` reads of a trainer's config (SFTConfig, CFTConfig)."""
+
+    epochs: int
+    batch_size: int
+    lr: float
+    weight_decay: float
+    warmup_steps: int
+    seed: int
+    grad_clip: float
+
+
+def run_train_loop(
+    model: PreTrainedModel,
+    dataset: Sequence,
+    collate_fn: Callable[[list], Any],
+    loss_sums: Callable[[torch.nn.Module, Any, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+    cfg: LoopConfig,
+    *,
+    accelerator: Accelerator,
+    valid_stats: Callable[[torch.nn.Module], torch.Tensor] | None = None,
+    valid_every: int = 0,
+    on_step: Callable[[dict[str, float]], None] | None = None,
+    desc: str = "train",
+) -> tuple[PreTrainedModel, list[dict[str, float]], int]:
+    """The accelerate training loop shared by `train_sft` and `gr2model.cft.train_cft`.
+
+    Setup: a shuffled DataLoader of `dataset` (seeded by cfg.seed), AdamW, linear
+    warmup then cosine decay (`warmup_cosine_factor`); model, optimizer and
+    DataLoader go through `accelerator.prepare`. Per step: `loss_sums(model,
+    batch, epoch)` gives (sum(w * nll) with grad, the 6 stats of `_loss_sums`,
+    token count); the loss is that sum normalised by the global batch's weight
+    (all processes), then `accelerator.backward`, clip, step, and the step's
+    metrics go to `on_step` (main process only).
+
+    valid_stats(unwrapped model) gives the summed validation stats (reduced over
+    processes); it runs every `valid_every` steps (0: never) and after each epoch
+    unless a step validation just ran, its metrics prefixed "valid_".
+
+    Returns:
+        (the trained model, unwrapped, in eval mode; the history of emitted
+        metrics, empty off the main process; the number of optimizer steps).
+    """
+    # A seeded generator makes the shuffle order a function of cfg.seed;
+    # accelerate syncs this generator's state across processes every epoch.
+    loader = DataLoader(
+        dataset,
+        batch_size=cfg.batch_size,
+        shuffle=True,
+        generator=torch.Generator().manual_seed(cfg.seed),
+        collate_fn=collate_fn,
+    )
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    model.train()
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    total_steps = cfg.epochs * len(loader)
+    # Built after prepare, on the per-process number of steps, and not prepared
+    # itself: accelerate's scheduler wrapper would step it once per process.
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: warmup_cosine_factor(s, cfg.warmup_steps, total_steps)
+    )
+
+    history: list[dict[str, float]] = []
+
+    def emit(metrics: dict[str, float]) -> None:
+        if accelerator.is_main_process:
+            history.append(metrics)
+            if on_step is not None:
+                on_step(metrics)
+
+    def validate(epoch: int) -> None:
+        model.eval()
+        # The unwrapped module: processes may score different numbers of
+        # batches, and a DDP forward may sync buffers (a collective).
+        vstats = valid_stats(accelerator.unwrap_model(model))
+        emit({"step": float(step), "epoch": float(epoch), **_split_metrics(vstats, "valid_")})
+        model.train()
+
+    world = accelerator.num_processes
+    step = 0
+    bar = tqdm(total=total_steps, desc=desc, disable=not accelerator.is_main_process)
+    for epoch in range(cfg.epochs):
+        model.train()
+        for batch in loader:
+            t0 = time.perf_counter()
+            lr = scheduler.get_last_lr()[0]
+            weighted, stats, n_tokens = loss_sums(model, batch, epoch)
+            # One all-reduce gives the global weight (for the normaliser) and the
+            # logged sums together; DDP averages gradients over processes, hence * world.
+            totals = accelerator.reduce(torch.cat([stats, n_tokens.float()[None]]), reduction="sum")
+            loss = weighted * world / totals[0].clamp(min=torch.finfo(torch.float32).tiny)
+            accelerator.backward(loss)
+            grad_norm = float("nan")
+            if cfg.grad_clip > 0:
+                grad_norm = float(accelerator.clip_grad_norm_(model.parameters(), cfg.grad_clip))
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+            seconds = time.perf_counter() - t0
+            metrics = {"step": float(step), "epoch": float(epoch), **_split_metrics(totals[:6])}
+            metrics.update(lr=lr, grad_norm=grad_norm, tokens_per_s=float(totals[6]) / max(seconds, 1e-9))
+            emit(metrics)
+            bar.update(1)
+            bar.set_postfix(loss=f"{metrics['loss']:.4f}")
+            if valid_stats is not None and valid_every and step % valid_every == 0:
+                validate(epoch)
+        if valid_stats is not None and not (valid_every and step % valid_every == 0):
+            validate(epoch)  # once per epoch, unless a step validation just ran
+    bar.close()
+    accelerator.wait_for_everyone()
+    trained = accelerator.unwrap_model(model)
+    trained.eval()
+    return trained, history, step
+
+
 def _encode_all(
     tok: PreTrainedTokenizerBase, examples: Sequence[tuple[str, str]], cfg: SFTConfig, what: str
 ) -> list[dict[str, list]]:
@@ -354,7 +478,7 @@ def train_sft(
 ) -> SFTResult:
     """Fine-tune a causal LM on (prompt, response) pairs with `weighted_lm_loss`.
 
-    Setup: encode (`encode_example`), a shuffled DataLoader (seeded) of
+    Setup (`run_train_loop`): encode (`encode_example`), a shuffled DataLoader (seeded) of
     right-padded batches, AdamW, linear warmup then cosine decay; model,
     optimizer and DataLoader go through `accelerator.prepare`. Loop: forward,
     `accelerator.backward`, clip, step. The loss is normalised by the total
@@ -386,68 +510,15 @@ def train_sft(
         raise ValueError("no training example with a response token")
     valid_enc = _encode_all(tok, valid, cfg, "valid") if valid else []
 
-    # A seeded generator makes the shuffle order a function of cfg.seed;
-    # accelerate syncs this generator's state across processes every epoch.
-    loader = DataLoader(
+    trained, history, steps = run_train_loop(
+        model,
         train_enc,
-        batch_size=cfg.batch_size,
-        shuffle=True,
-        generator=torch.Generator().manual_seed(cfg.seed),
-        collate_fn=functools.partial(collate_right_padded, pad_id=pad_id),  # picklable, for worker processes
+        functools.partial(collate_right_padded, pad_id=pad_id),  # picklable, for worker processes
+        lambda m, batch, epoch: _loss_sums(m, batch),
+        cfg,
+        accelerator=accelerator,
+        valid_stats=(lambda m: _valid_stats(m, valid_enc, cfg, pad_id, accelerator)) if valid_enc else None,
+        on_step=on_step,
+        desc="sft",
     )
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    model.train()
-    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
-    total_steps = cfg.epochs * len(loader)
-    # Built after prepare, on the per-process number of steps, and not prepared
-    # itself: accelerate's scheduler wrapper would step it once per process.
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: warmup_cosine_factor(s, cfg.warmup_steps, total_steps)
-    )
-
-    history: list[dict[str, float]] = []
-
-    def emit(metrics: dict[str, float]) -> None:
-        if accelerator.is_main_process:
-            history.append(metrics)
-            if on_step is not None:
-                on_step(metrics)
-
-    world = accelerator.num_processes
-    step = 0
-    bar = tqdm(total=total_steps, desc="sft", disable=not accelerator.is_main_process)
-    for epoch in range(cfg.epochs):
-        model.train()
-        for batch in loader:
-            t0 = time.perf_counter()
-            lr = scheduler.get_last_lr()[0]
-            weighted, stats, n_tokens = _loss_sums(model, batch)
-            # One all-reduce gives the global weight (for the normaliser) and the
-            # logged sums together; DDP averages gradients over processes, hence * world.
-            totals = accelerator.reduce(torch.cat([stats, n_tokens.float()[None]]), reduction="sum")
-            loss = weighted * world / totals[0].clamp(min=torch.finfo(torch.float32).tiny)
-            accelerator.backward(loss)
-            grad_norm = float("nan")
-            if cfg.grad_clip > 0:
-                grad_norm = float(accelerator.clip_grad_norm_(model.parameters(), cfg.grad_clip))
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-            step += 1
-            seconds = time.perf_counter() - t0
-            metrics = {"step": float(step), "epoch": float(epoch), **_split_metrics(totals[:6])}
-            metrics.update(lr=lr, grad_norm=grad_norm, tokens_per_s=float(totals[6]) / max(seconds, 1e-9))
-            emit(metrics)
-            bar.update(1)
-            bar.set_postfix(loss=f"{metrics['loss']:.4f}")
-        if valid_enc:
-            model.eval()
-            # The unwrapped module: processes may score different numbers of
-            # batches, and a DDP forward may sync buffers (a collective).
-            vstats = _valid_stats(accelerator.unwrap_model(model), valid_enc, cfg, pad_id, accelerator)
-            emit({"step": float(step), "epoch": float(epoch), **_split_metrics(vstats, "valid_")})
-    bar.close()
-    accelerator.wait_for_everyone()
-    trained = accelerator.unwrap_model(model)
-    trained.eval()
-    return SFTResult(model=trained, history=history, steps=step)
+    return SFTResult(model=trained, history=history, steps=steps)
