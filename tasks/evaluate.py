@@ -126,7 +126,6 @@ def _decode_eval(name: str, model: Any, tok: Any, df: pl.DataFrame, items: ItemT
     m = rerank_metrics(out.parsed, df["target"].to_list())
     m["tokens_per_s"] = out.generated_tokens / max(out.seconds, 1e-9)
     m["response_tokens"] = out.generated_tokens / max(len(out.parsed), 1)
-    m["tokens_per_forward"] = out.generated_tokens / max(out.nfe, 1)
     return m
 
 
