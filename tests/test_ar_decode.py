@@ -6,37 +6,20 @@ import pytest
 import torch
 
 from gr2model.ar_decode import DecodeOutput, ar_generate, hf_generate, left_pad
-from gr2model.ar_model import ARModelConfig, build_ar_model
 
-VOCAB = 40
-PAD, BOS, EOS = 0, 1, 2
+from tiny import EOS, PAD, random_ids, random_model
+
 NO_EOS = -1  # an id no token has: rows run to max_new_tokens
-TINY = ARModelConfig(
-    hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64,
-    max_position_embeddings=128,
-)
-LENGTHS = [3, 11, 1, 7, 16]
-
 
 
 @pytest.fixture(scope="module")
 def model() -> torch.nn.Module:
-    m = build_ar_model(TINY, VOCAB, pad_id=PAD, bos_id=BOS, eos_id=EOS, seed=0)
-    # The default init (std 0.02) gives near-uniform logits and a model that
-    # repeats one token; larger weights make varied, confident outputs, so
-    # equal outputs mean something.
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in m.parameters():
-            if p.dim() == 2:
-                p.normal_(0.0, 0.3, generator=g)
-    return m
+    return random_model()
 
 
 @pytest.fixture(scope="module")
 def prompts() -> list[list[int]]:
-    g = torch.Generator().manual_seed(1)
-    return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in LENGTHS]
+    return random_ids()
 
 
 def test_left_pad() -> None:

@@ -10,7 +10,6 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from gr2model.ar_decode import left_pad
-from gr2model.ar_model import ARModelConfig, build_ar_model
 from gr2model.block_diffusion import (
     block_causal_mask,
     block_diffusion_mask,
@@ -19,12 +18,7 @@ from gr2model.block_diffusion import (
     convert_to_block_diffusion,
 )
 
-VOCAB = 40
-PAD, BOS, EOS = 0, 1, 2
-TINY = ARModelConfig(
-    hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64,
-    max_position_embeddings=128,
-)
+from tiny import PAD, VOCAB, random_model
 
 
 def tiny_tokenizer(with_mask: bool) -> PreTrainedTokenizerFast:
@@ -43,13 +37,7 @@ def tiny_tokenizer(with_mask: bool) -> PreTrainedTokenizerFast:
 
 @pytest.fixture(scope="module")
 def ar_model() -> torch.nn.Module:
-    m = build_ar_model(TINY, VOCAB, pad_id=PAD, bos_id=BOS, eos_id=EOS, seed=0)
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in m.parameters():
-            if p.dim() == 2:
-                p.normal_(0.0, 0.3, generator=g)
-    return m
+    return random_model()
 
 
 def as_bool(rows: list[list[int]]) -> torch.Tensor:

@@ -4,17 +4,12 @@ noise, the loss, and a tiny model that trains deterministically."""
 
 from __future__ import annotations
 
-import faulthandler
-import itertools
 from pathlib import Path
 
-import polars as pl
 import pytest
 import torch
-from accelerate import Accelerator, debug_launcher
-from accelerate.state import AcceleratorState
+from accelerate import debug_launcher
 
-from gr2model.ar_model import ARModelConfig, build_ar_model
 from gr2model.block_diffusion import block_causal_mask, convert_to_block_diffusion
 from gr2model.cft import (
     KIND_ANSWER,
@@ -33,7 +28,7 @@ from gr2model.cft import (
     training_position_ids,
 )
 from gr2model.diffusion_decode import diffusion_generate
-from gr2model.rerank_format import FormatConfig, ItemText, build_prompt, build_response, parse_response
+from gr2model.rerank_format import ItemText, parse_response
 from gr2model.sft import (
     IGNORE_INDEX,
     SFTConfig,
@@ -42,47 +37,27 @@ from gr2model.sft import (
     train_sft,
     weighted_lm_loss,
 )
-from gr2model.tokenizer import build_tokenizer, special_ids
+from gr2model.tokenizer import special_ids
 
-TINY = ARModelConfig(
-    hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128, max_position_embeddings=128
+from tiny import (
+    TOY_CANDIDATES,
+    agreeing_ranks,
+    toy_examples,
+    toy_items,
+    toy_model,
+    toy_tokenizer,
+    two_process_worker,
 )
-WORDS = ["because", "first", "likes"]
-
-
-def items_table() -> pl.DataFrame:
-    ids = [1, 2, 3, 4]
-    return pl.DataFrame(
-        {"item_id": ids, "sid": [[i % 2, i // 2, i, 0] for i in ids], "attributes": [[i] for i in ids]},
-        schema={"item_id": pl.Int64, "sid": pl.List(pl.Int64), "attributes": pl.List(pl.Int64)},
-    )
 
 
 @pytest.fixture(scope="module")
 def items() -> ItemText:
-    return ItemText(items_table())
+    return toy_items()
 
 
 @pytest.fixture(scope="module")
 def tok():
-    return build_tokenizer(items_table(), WORDS, max_sid_code=4)
-
-
-def tiny_model(tok, seed: int = 0):
-    sp = special_ids(tok)
-    return build_ar_model(TINY, len(tok), pad_id=sp["pad"], bos_id=sp["bos"], eos_id=sp["eos"], seed=seed)
-
-
-TOY_CANDIDATES = list(itertools.permutations([1, 2, 3, 4], 3))
-
-
-def toy_examples(items: ItemText) -> list[tuple[str, str]]:
-    """Every ordered choice of 3 of the 4 items (TOY_CANDIDATES); the answer is their reverse order."""
-    fc = FormatConfig(history_len=0, with_attributes=False)
-    return [
-        (build_prompt([], c, items, fc), build_response(["because", "first"], list(reversed(c)), items))
-        for c in TOY_CANDIDATES
-    ]
+    return toy_tokenizer()
 
 
 def rows_of(text: str) -> list[list[bool]]:
@@ -154,7 +129,7 @@ def test_training_mask_element_by_element() -> None:
 def test_block_size_one_is_the_ar_model(tok, items) -> None:
     """B=1: the clean copy's logits are the AR logits, and the loss of a mask pair is
     the SFT loss (each token read from the clean previous token, trained once)."""
-    model = tiny_model(tok)
+    model = toy_model(tok)
     cfg = CFTConfig(block_size=1)
     pairs = [toy_examples(items)[0], (toy_examples(items)[5][0] + " <a_1>", toy_examples(items)[5][1])]
     enc = [encode_cft_example(tok, p, r, cfg) for p, r in pairs]
@@ -184,7 +159,7 @@ def test_training_view_equals_the_inference_view(tok, items) -> None:
     """B=3: each response token's training logits (read at its prediction source) equal
     the logits the decoder computes for it when filling its block, given the same noisy
     block: a forward over [prompt, clean blocks < k, noisy block k] with the inference mask."""
-    model = tiny_model(tok, seed=1)
+    model = toy_model(tok, seed=1)
     bs = 3
     cfg = CFTConfig(block_size=bs)
     enc = encode_cft_example(tok, *toy_examples(items)[7], cfg)
@@ -211,7 +186,7 @@ def test_training_view_equals_the_inference_view(tok, items) -> None:
 
 def test_padded_rows_equal_unpadded_rows(tok, items) -> None:
     """Right padding changes nothing: each row's logits equal the same row alone."""
-    model = tiny_model(tok)
+    model = toy_model(tok)
     cfg = CFTConfig(block_size=2)
     pairs = [toy_examples(items)[0], (toy_examples(items)[1][0] + " <a_1> <b_2>", toy_examples(items)[1][1])]
     enc = [encode_cft_example(tok, p, r, cfg) for p, r in pairs]
@@ -337,7 +312,7 @@ def test_train_cft_lowers_the_loss(tok, items) -> None:
     examples = toy_examples(items)
     seen: list[dict[str, float]] = []
     cfg = CFTConfig(epochs=15, batch_size=8, lr=5e-3, warmup_steps=3, block_size=4, valid_every=9)
-    result = train_cft(tiny_model(tok), tok, examples, cfg, valid=examples[:6], on_step=seen.append)
+    result = train_cft(toy_model(tok), tok, examples, cfg, valid=examples[:6], on_step=seen.append)
     assert result.steps == 15 * 3 and seen == result.history
     steps = [h for h in seen if "loss" in h]
     valids = [h for h in seen if "valid_loss" in h]
@@ -357,7 +332,7 @@ def test_train_cft_is_deterministic(tok, items) -> None:
     cfg = CFTConfig(epochs=2, batch_size=4, lr=1e-3, warmup_steps=2, seed=3, block_size=2)
 
     def run():
-        r = train_cft(tiny_model(tok), tok, examples, cfg)
+        r = train_cft(toy_model(tok), tok, examples, cfg)
         return [{k: v for k, v in h.items() if k != "tokens_per_s"} for h in r.history], r.model
 
     h1, m1 = run()
@@ -368,15 +343,7 @@ def test_train_cft_is_deterministic(tok, items) -> None:
 
 def _cft_worker(tok, examples: list[tuple[str, str]], valid: list[tuple[str, str]], cfg: CFTConfig, out: Path) -> None:
     """One of two processes (forked by debug_launcher): train, save the weights."""
-    faulthandler.dump_traceback_later(60, exit=True)  # a deadlock fails the test instead of hanging it
-    AcceleratorState._reset_state(True)  # the parent's single-process state came along with the fork
-    acc = Accelerator(cpu=True)
-    torch.set_num_threads(1)
-    assert acc.num_processes == 2
-    result = train_cft(tiny_model(tok), tok, examples, cfg, valid=valid, accelerator=acc)
-    torch.save([p.detach() for p in result.model.parameters()], out / f"rank{acc.process_index}.pt")
-    torch.save(result.history, out / f"history{acc.process_index}.pt")
-    faulthandler.cancel_dump_traceback_later()
+    two_process_worker(out, lambda acc: train_cft(toy_model(tok), tok, examples, cfg, valid=valid, accelerator=acc))
 
 
 def test_two_processes_equal_one_process_with_the_global_batch(tok, items, tmp_path: Path) -> None:
@@ -387,13 +354,10 @@ def test_two_processes_equal_one_process_with_the_global_batch(tok, items, tmp_p
     valid = toy_examples(items)[16:21]
     cfg = CFTConfig(epochs=2, batch_size=4, lr=1e-3, warmup_steps=2, block_size=2)
     debug_launcher(_cft_worker, args=(tok, examples, valid, cfg, tmp_path), num_processes=2)
-    rank0, rank1 = torch.load(tmp_path / "rank0.pt"), torch.load(tmp_path / "rank1.pt")
-    assert all(torch.equal(a, b) for a, b in zip(rank0, rank1))
-    assert torch.load(tmp_path / "history1.pt") == []
+    rank0, history = agreeing_ranks(tmp_path)
 
-    single = train_cft(tiny_model(tok), tok, examples, CFTConfig(**{**cfg.__dict__, "batch_size": 8}), valid=valid)
+    single = train_cft(toy_model(tok), tok, examples, CFTConfig(**{**cfg.__dict__, "batch_size": 8}), valid=valid)
     assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(rank0, single.model.parameters()))
-    history = torch.load(tmp_path / "history0.pt")
     assert [sorted(h) for h in history] == [sorted(h) for h in single.history]
     for key in ("loss", "answer_loss", "valid_loss", "valid_reasoning_loss"):
         ours = [h[key] for h in history if key in h]
@@ -401,7 +365,7 @@ def test_two_processes_equal_one_process_with_the_global_batch(tok, items, tmp_p
 
 
 def test_train_cft_refuses_a_model_converted_for_another_block_size(tok, items) -> None:
-    model = tiny_model(tok)
+    model = toy_model(tok)
     model.config.block_size = 8  # as gr2model.block_diffusion records it
     with pytest.raises(ValueError, match="block_size"):
         train_cft(model, tok, toy_examples(items)[:2], CFTConfig(block_size=4))
@@ -427,7 +391,7 @@ def test_cft_makes_the_naive_conversion_decode_valid_rankings(tok, items) -> Non
         exact = sum(t == f"{r} <|eos|>" for t, (_, r) in zip(texts, examples))
         return valid, exact, out.tokens_per_forward
 
-    ar = train_sft(tiny_model(tok), tok, examples, SFTConfig(epochs=40, batch_size=8, lr=3e-3, warmup_steps=10)).model
+    ar = train_sft(toy_model(tok), tok, examples, SFTConfig(epochs=40, batch_size=8, lr=3e-3, warmup_steps=10)).model
     naive = convert_to_block_diffusion(ar, tok, bs)
     naive_valid, _, naive_tpf = decode(naive)
     cfg = CFTConfig(epochs=15, batch_size=8, lr=3e-3, warmup_steps=5, block_size=bs)

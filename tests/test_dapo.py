@@ -2,55 +2,23 @@
 
 from __future__ import annotations
 
-import faulthandler
 import math
 from pathlib import Path
 
-import polars as pl
 import pytest
 import torch
-from accelerate import Accelerator, debug_launcher
-from accelerate.state import AcceleratorState
+from accelerate import debug_launcher
 
 from gr2model.ar_decode import ar_generate
-from gr2model.ar_model import ARModelConfig, build_ar_model
 from gr2model.dapo import DAPOConfig, dapo_loss, group_advantages, sequence_logprobs, train_dapo
-from gr2model.tokenizer import build_tokenizer, special_ids
+from gr2model.tokenizer import special_ids
 
-TINY = ARModelConfig(
-    hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64, max_position_embeddings=64
-)
-
+from tiny import agreeing_ranks, one_item_tokenizer, random_prompts, tiny_model, two_process_worker
 
 
 @pytest.fixture(scope="module")
 def tok():
-    """The format's tokenizer over one item with codes 0: a 24-token vocabulary."""
-    items = pl.DataFrame(
-        {"item_id": [1], "sid": [[0, 0, 0, 0]], "attributes": [[]]},
-        schema={"item_id": pl.Int64, "sid": pl.List(pl.Int64), "attributes": pl.List(pl.Int64)},
-    )
-    return build_tokenizer(items, [], max_sid_code=0)
-
-
-def tiny_model(tok, seed: int = 0, scale: float | None = None):
-    sp = special_ids(tok)
-    model = build_ar_model(TINY, len(tok), pad_id=sp["pad"], bos_id=sp["bos"], eos_id=sp["eos"], seed=seed)
-    if scale is not None:
-        # Larger weights than the default init: confident, varied distributions.
-        g = torch.Generator().manual_seed(seed)
-        with torch.no_grad():
-            for p in model.parameters():
-                if p.dim() == 2:
-                    p.normal_(0.0, scale, generator=g)
-    return model
-
-
-def random_prompts(tok, n: int, seed: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(2, 7, (n,), generator=g).tolist()
-    # Ids 7.. are the non-special tokens.
-    return [torch.randint(7, len(tok), (k,), generator=g).tolist() for k in lengths]
+    return one_item_tokenizer()
 
 
 # -------------------------------------------------------------- advantages
@@ -222,15 +190,8 @@ def _first_token_reward(target: int):
 
 def _dapo_worker(tok, prompts: list[list[int]], target: int, cfg: DAPOConfig, out: Path) -> None:
     """One of two processes (forked by debug_launcher): train, save the weights."""
-    faulthandler.dump_traceback_later(60, exit=True)  # a deadlock fails the test instead of hanging it
-    AcceleratorState._reset_state(True)  # the parent's single-process state came along with the fork
-    acc = Accelerator(cpu=True)
-    torch.set_num_threads(1)  # accelerate just set 2 threads per process
-    assert acc.num_processes == 2
-    result = train_dapo(tiny_model(tok), tok, prompts, _first_token_reward(target), cfg, accelerator=acc)
-    torch.save([p.detach() for p in result.model.parameters()], out / f"rank{acc.process_index}.pt")
-    torch.save(result.history, out / f"history{acc.process_index}.pt")
-    faulthandler.cancel_dump_traceback_later()
+    reward = _first_token_reward(target)
+    two_process_worker(out, lambda acc: train_dapo(tiny_model(tok), tok, prompts, reward, cfg, accelerator=acc))
 
 
 def test_train_dapo_on_two_processes(tok, tmp_path: Path) -> None:
@@ -239,9 +200,7 @@ def test_train_dapo_on_two_processes(tok, tmp_path: Path) -> None:
     target = tok.convert_tokens_to_ids('"recommendations"')
     cfg = DAPOConfig(group_size=8, prompts_per_step=4, steps=12, minibatch_size=16, lr=3e-3, max_new_tokens=3)
     debug_launcher(_dapo_worker, args=(tok, random_prompts(tok, 16, seed=4), target, cfg, tmp_path), num_processes=2)
-    rank0, rank1 = torch.load(tmp_path / "rank0.pt"), torch.load(tmp_path / "rank1.pt")
-    assert all(torch.equal(a, b) for a, b in zip(rank0, rank1))
-    history = torch.load(tmp_path / "history0.pt")
-    assert len(history) == 12 and torch.load(tmp_path / "history1.pt") == []
+    _, history = agreeing_ranks(tmp_path)
+    assert len(history) == 12
     assert all(h["kept_groups"] <= 4 for h in history)
     assert sum(h["reward_mean"] for h in history[-3:]) > sum(h["reward_mean"] for h in history[:3])

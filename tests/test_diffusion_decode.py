@@ -8,19 +8,13 @@ import pytest
 import torch
 
 from gr2model.ar_decode import ar_generate
-from gr2model.ar_model import ARModelConfig, build_ar_model
 from gr2model.block_diffusion import block_causal_mask
 import gr2model.diffusion_decode as dd
 from gr2model.diffusion_decode import DiffusionDecodeOutput, commit_mask, diffusion_generate, propose
 
-VOCAB = 40
-PAD, BOS, EOS = 0, 1, 2
+from tiny import EOS, PAD, VOCAB, random_ids, random_model
+
 NO_EOS = -1  # an id no token has: rows run to max_new_tokens
-TINY = ARModelConfig(
-    hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64,
-    max_position_embeddings=128,
-)
-LENGTHS = [3, 11, 1, 7, 16]
 NEW = 20
 # On this random model the top probabilities are mostly 0.05-0.4: 0.3 commits
 # several tokens in some steps and one in others, and rows progress unevenly
@@ -32,19 +26,12 @@ MIXED = 0.3
 def model() -> torch.nn.Module:
     # The AR model itself: conversion is a weight copy (tested in
     # test_block_diffusion), and the decoder passes its own masks.
-    m = build_ar_model(TINY, VOCAB, pad_id=PAD, bos_id=BOS, eos_id=EOS, seed=0)
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in m.parameters():
-            if p.dim() == 2:
-                p.normal_(0.0, 0.3, generator=g)
-    return m
+    return random_model()
 
 
 @pytest.fixture(scope="module")
 def prompts() -> list[list[int]]:
-    g = torch.Generator().manual_seed(1)
-    return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in LENGTHS]
+    return random_ids()
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from gr2model.ar_decode import ar_generate
-from gr2model.ar_model import ARModelConfig, build_ar_model
 from gr2model.cft import prediction_sources, training_attention_mask, training_position_ids
 from gr2model.dapo import sequence_logprobs
 from gr2model.diffusion_decode import diffusion_generate
@@ -22,34 +21,24 @@ from gr2model.diffusion_replay import (
 )
 from gr2model.sft import IGNORE_INDEX
 
-VOCAB = 40
-PAD, BOS, EOS = 0, 1, 2
+from tiny import PAD, random_ids, random_model
+
 MASK = 4  # a token greedy AR decoding never writes with this model (B = 1 parity with AR)
 NEW = 18  # not a multiple of 4: the last block has slots past max_new_tokens
 # Greedy, threshold 0.2, "eos" 29 (a frequent token): rows stop at 9, 13, 18, 11, 5
 # tokens, 56 tokens in 11 forwards, and 6 tokens after an eos were committed before
 # it (cut tails). Asserted below, so a change of model that loses them is noticed.
 THRESHOLD, STOP = 0.2, 29
-TINY = ARModelConfig(
-    hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64, max_position_embeddings=128
-)
 
 
 @pytest.fixture(scope="module")
 def model() -> torch.nn.Module:
-    m = build_ar_model(TINY, VOCAB, pad_id=PAD, bos_id=BOS, eos_id=EOS, seed=0)
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in m.parameters():
-            if p.dim() == 2:
-                p.normal_(0.0, 0.3, generator=g)  # confident, varied distributions
-    return m
+    return random_model()
 
 
 @pytest.fixture(scope="module")
 def prompts() -> list[list[int]]:
-    g = torch.Generator().manual_seed(1)
-    return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in [3, 11, 1, 7, 16]]
+    return random_ids()
 
 
 def decode(model, prompts, **kw):

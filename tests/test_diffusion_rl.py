@@ -4,48 +4,30 @@ determinism, and two DDP processes."""
 
 from __future__ import annotations
 
-import faulthandler
 from dataclasses import replace
 from pathlib import Path
 
-import polars as pl
 import pytest
 import torch
-from accelerate import Accelerator, debug_launcher
-from accelerate.state import AcceleratorState
+from accelerate import debug_launcher
 
-from gr2model.ar_model import ARModelConfig, build_ar_model
 from gr2model.block_diffusion import convert_to_block_diffusion
 from gr2model.diffusion_decode import diffusion_generate
 from gr2model.diffusion_rl import DiffusionRLConfig, train_diffusion_rl
-from gr2model.tokenizer import build_tokenizer, special_ids
+from gr2model.tokenizer import special_ids
 
-TINY = ARModelConfig(
-    hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64, max_position_embeddings=64
-)
+from tiny import agreeing_ranks, one_item_tokenizer, random_prompts, tiny_model, two_process_worker
+
 BLOCK = 4
 
 
 @pytest.fixture(scope="module")
 def tok():
-    """The format's tokenizer over one item with codes 0: a 24-token vocabulary, mask token included."""
-    items = pl.DataFrame(
-        {"item_id": [1], "sid": [[0, 0, 0, 0]], "attributes": [[]]},
-        schema={"item_id": pl.Int64, "sid": pl.List(pl.Int64), "attributes": pl.List(pl.Int64)},
-    )
-    return build_tokenizer(items, [], max_sid_code=0)
+    return one_item_tokenizer()
 
 
 def policy(tok, seed: int = 0):
-    sp = special_ids(tok)
-    ar = build_ar_model(TINY, len(tok), pad_id=sp["pad"], bos_id=sp["bos"], eos_id=sp["eos"], seed=seed)
-    return convert_to_block_diffusion(ar, tok, BLOCK)
-
-
-def random_prompts(tok, n: int, seed: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(2, 7, (n,), generator=g).tolist()
-    return [torch.randint(7, len(tok), (k,), generator=g).tolist() for k in lengths]  # ids 7..: no specials
+    return convert_to_block_diffusion(tiny_model(tok, seed), tok, BLOCK)
 
 
 def hits_reward(target: int):
@@ -143,23 +125,15 @@ def test_train_diffusion_rl_is_deterministic_and_checks_the_model(tok) -> None:
     h2, m2 = run()
     assert h1 == h2 and any(h["kept_groups"] > 0 for h in h1)
     assert all(torch.equal(a, b) for a, b in zip(m1.parameters(), m2.parameters()))
-    sp = special_ids(tok)
-    ar = build_ar_model(TINY, len(tok), pad_id=sp["pad"], bos_id=sp["bos"], eos_id=sp["eos"])
+    ar = tiny_model(tok)
     with pytest.raises(ValueError, match="block-diffusion"):
         train_diffusion_rl(ar, tok, prompts, reward, cfg)
 
 
 def _rl_worker(tok, prompts: list[list[int]], target: int, cfg: DiffusionRLConfig, out: Path) -> None:
     """One of two processes (forked by debug_launcher): train, save the weights."""
-    faulthandler.dump_traceback_later(60, exit=True)  # a deadlock fails the test instead of hanging it
-    AcceleratorState._reset_state(True)  # the parent's single-process state came along with the fork
-    acc = Accelerator(cpu=True)
-    torch.set_num_threads(1)
-    assert acc.num_processes == 2
-    result = train_diffusion_rl(policy(tok), tok, prompts, hits_reward(target), cfg, accelerator=acc)
-    torch.save([p.detach() for p in result.model.parameters()], out / f"rank{acc.process_index}.pt")
-    torch.save(result.history, out / f"history{acc.process_index}.pt")
-    faulthandler.cancel_dump_traceback_later()
+    reward = hits_reward(target)
+    two_process_worker(out, lambda acc: train_diffusion_rl(policy(tok), tok, prompts, reward, cfg, accelerator=acc))
 
 
 def test_train_diffusion_rl_on_two_processes(tok, tmp_path: Path) -> None:
@@ -169,10 +143,8 @@ def test_train_diffusion_rl_on_two_processes(tok, tmp_path: Path) -> None:
     cfg = DiffusionRLConfig(group_size=8, prompts_per_step=4, steps=12, minibatch_size=16, lr=3e-3, max_new_tokens=4,
                             threshold=0.3)
     debug_launcher(_rl_worker, args=(tok, random_prompts(tok, 16, seed=4), target, cfg, tmp_path), num_processes=2)
-    rank0, rank1 = torch.load(tmp_path / "rank0.pt"), torch.load(tmp_path / "rank1.pt")
-    assert all(torch.equal(a, b) for a, b in zip(rank0, rank1))
-    history = torch.load(tmp_path / "history0.pt")
-    assert len(history) == 12 and torch.load(tmp_path / "history1.pt") == []
+    _, history = agreeing_ranks(tmp_path)
+    assert len(history) == 12
     assert sum(h["reward_mean"] for h in history[-3:]) > sum(h["reward_mean"] for h in history[:3])
 
 

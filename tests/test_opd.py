@@ -4,18 +4,14 @@ replay (zero loss when the models agree), and a student that moves toward its te
 
 from __future__ import annotations
 
-import faulthandler
 import math
 from dataclasses import replace
 
-import polars as pl
 import pytest
 import torch
-from accelerate import Accelerator, debug_launcher
-from accelerate.state import AcceleratorState
+from accelerate import debug_launcher
 from torch.distributions import Categorical, kl_divergence
 
-from gr2model.ar_model import ARModelConfig, build_ar_model
 from gr2model.block_diffusion import convert_to_block_diffusion
 from gr2model.dapo import sequence_logprobs
 from gr2model.opd import (
@@ -27,40 +23,13 @@ from gr2model.opd import (
     topk_token_kl,
     train_opd,
 )
-from gr2model.tokenizer import build_tokenizer, special_ids
 
-TINY = ARModelConfig(
-    hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64, max_position_embeddings=64
-)
+from tiny import agreeing_ranks, one_item_tokenizer, random_prompts, tiny_model, two_process_worker
 
 
 @pytest.fixture(scope="module")
 def tok():
-    """The format's tokenizer over one item with codes 0: a 24-token vocabulary, mask token included."""
-    items = pl.DataFrame(
-        {"item_id": [1], "sid": [[0, 0, 0, 0]], "attributes": [[]]},
-        schema={"item_id": pl.Int64, "sid": pl.List(pl.Int64), "attributes": pl.List(pl.Int64)},
-    )
-    return build_tokenizer(items, [], max_sid_code=0)
-
-
-def tiny_model(tok, seed: int = 0, scale: float | None = None):
-    sp = special_ids(tok)
-    model = build_ar_model(TINY, len(tok), pad_id=sp["pad"], bos_id=sp["bos"], eos_id=sp["eos"], seed=seed)
-    if scale is not None:
-        # Larger weights than the default init: confident, varied distributions.
-        g = torch.Generator().manual_seed(seed)
-        with torch.no_grad():
-            for p in model.parameters():
-                if p.dim() == 2:
-                    p.normal_(0.0, scale, generator=g)
-    return model
-
-
-def random_prompts(tok, n: int, seed: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(2, 7, (n,), generator=g).tolist()
-    return [torch.randint(7, len(tok), (k,), generator=g).tolist() for k in lengths]  # ids 7..: no specials
+    return one_item_tokenizer()
 
 
 def logits_pair(seed: int, shape=(3, 5, 11), scale: float = 3.0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -230,17 +199,13 @@ def test_train_opd_checks_its_inputs(tok) -> None:
 
 def _opd_worker(tok, prompts: list[list[int]], cfg: OPDConfig, out) -> None:
     """One of two processes (forked by debug_launcher): distil, save the weights."""
-    faulthandler.dump_traceback_later(60, exit=True)  # a deadlock fails the test instead of hanging it
-    AcceleratorState._reset_state(True)  # the parent's single-process state came along with the fork
-    acc = Accelerator(cpu=True)
-    torch.set_num_threads(1)
-    assert acc.num_processes == 2
-    teacher = tiny_model(tok, seed=0, scale=0.3)
-    student = convert_to_block_diffusion(tiny_model(tok, seed=1), tok, 4)
-    result = train_opd(student, teacher, tok, prompts, cfg, accelerator=acc)
-    torch.save([p.detach() for p in result.model.parameters()], out / f"rank{acc.process_index}.pt")
-    torch.save(result.history, out / f"history{acc.process_index}.pt")
-    faulthandler.cancel_dump_traceback_later()
+
+    def train(acc):
+        teacher = tiny_model(tok, seed=0, scale=0.3)
+        student = convert_to_block_diffusion(tiny_model(tok, seed=1), tok, 4)
+        return train_opd(student, teacher, tok, prompts, cfg, accelerator=acc)
+
+    two_process_worker(out, train)
 
 
 def test_train_opd_on_two_processes(tok, tmp_path) -> None:
@@ -250,10 +215,8 @@ def test_train_opd_on_two_processes(tok, tmp_path) -> None:
     cfg = OPDConfig(rollouts_per_prompt=2, prompts_per_step=3, steps=12, minibatch_size=2, lr=2e-3, threshold=0.5,
                     max_new_tokens=8)
     debug_launcher(_opd_worker, args=(tok, random_prompts(tok, 16, seed=4), cfg, tmp_path), num_processes=2)
-    rank0, rank1 = torch.load(tmp_path / "rank0.pt"), torch.load(tmp_path / "rank1.pt")
-    assert all(torch.equal(a, b) for a, b in zip(rank0, rank1))
-    history = torch.load(tmp_path / "history0.pt")
-    assert len(history) == 12 and torch.load(tmp_path / "history1.pt") == []
+    _, history = agreeing_ranks(tmp_path)
+    assert len(history) == 12
     assert sum(h["kl"] for h in history[-3:]) < sum(h["kl"] for h in history[:3])
 
 

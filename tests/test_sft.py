@@ -2,18 +2,13 @@
 
 from __future__ import annotations
 
-import faulthandler
-import itertools
 from pathlib import Path
 
-import polars as pl
 import pytest
 import torch
-from accelerate import Accelerator, debug_launcher
-from accelerate.state import AcceleratorState
+from accelerate import debug_launcher
 
 from gr2model.ar_decode import ar_generate
-from gr2model.ar_model import ARModelConfig, build_ar_model
 from gr2model.rerank_format import (
     FormatConfig,
     ItemText,
@@ -31,53 +26,26 @@ from gr2model.sft import (
     warmup_cosine_factor,
     weighted_lm_loss,
 )
-from gr2model.tokenizer import build_tokenizer, special_ids
+from gr2model.tokenizer import special_ids
 
-TINY = ARModelConfig(
-    hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128, max_position_embeddings=128
-)
-WORDS = ["because", "first", "likes"]
-
-
-
-def items_table() -> pl.DataFrame:
-    ids = [1, 2, 3, 4]
-    return pl.DataFrame(
-        {"item_id": ids, "sid": [[i % 2, i // 2, i, 0] for i in ids], "attributes": [[i] for i in ids]},
-        schema={"item_id": pl.Int64, "sid": pl.List(pl.Int64), "attributes": pl.List(pl.Int64)},
-    )
+from tiny import agreeing_ranks, toy_examples, toy_items, toy_model, toy_tokenizer, two_process_worker
 
 
 @pytest.fixture(scope="module")
 def items() -> ItemText:
-    return ItemText(items_table())
+    return toy_items()
 
 
 @pytest.fixture(scope="module")
 def tok():
-    return build_tokenizer(items_table(), WORDS, max_sid_code=4)
-
-
-def tiny_model(tok, seed: int = 0):
-    sp = special_ids(tok)
-    return build_ar_model(TINY, len(tok), pad_id=sp["pad"], bos_id=sp["bos"], eos_id=sp["eos"], seed=seed)
-
-
-def toy_examples(items: ItemText) -> list[tuple[str, str]]:
-    """Every ordered choice of 3 of the 4 items as candidates; the answer is
-    their reverse order after a fixed explanation: a deterministic function."""
-    fc = FormatConfig(history_len=0, with_attributes=False)
-    return [
-        (build_prompt([], c, items, fc), build_response(["because", "first"], list(reversed(c)), items))
-        for c in itertools.permutations([1, 2, 3, 4], 3)
-    ]
+    return toy_tokenizer()
 
 
 # ------------------------------------------------------------------------ loss
 
 
 def test_weighted_loss_equals_hf_loss_with_unit_weights(tok) -> None:
-    model = tiny_model(tok)
+    model = toy_model(tok)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(7, len(tok), (3, 12), generator=g)
     labels = ids.clone()
@@ -193,7 +161,7 @@ def test_train_sft_learns_a_deterministic_task(tok, items) -> None:
     examples = toy_examples(items)
     seen: list[dict[str, float]] = []
     cfg = SFTConfig(epochs=40, batch_size=8, lr=3e-3, warmup_steps=10)
-    result = train_sft(tiny_model(tok), tok, examples, cfg, valid=examples[:4], on_step=seen.append)
+    result = train_sft(toy_model(tok), tok, examples, cfg, valid=examples[:4], on_step=seen.append)
 
     assert result.steps == 40 * 3
     assert seen == result.history
@@ -221,7 +189,7 @@ def test_train_sft_is_deterministic(tok, items) -> None:
     cfg = SFTConfig(epochs=2, batch_size=4, lr=1e-3, warmup_steps=2, seed=3)
 
     def run() -> tuple[list[dict[str, float]], torch.nn.Module]:
-        r = train_sft(tiny_model(tok), tok, examples, cfg)
+        r = train_sft(toy_model(tok), tok, examples, cfg)
         return [{k: v for k, v in h.items() if k != "tokens_per_s"} for h in r.history], r.model
 
     h1, m1 = run()
@@ -233,15 +201,7 @@ def test_train_sft_is_deterministic(tok, items) -> None:
 
 def _sft_worker(tok, examples: list[tuple[str, str]], valid: list[tuple[str, str]], cfg: SFTConfig, out: Path) -> None:
     """One of two processes (forked by debug_launcher): train, save the weights."""
-    faulthandler.dump_traceback_later(60, exit=True)  # a deadlock fails the test instead of hanging it
-    AcceleratorState._reset_state(True)  # the parent's single-process state came along with the fork
-    acc = Accelerator(cpu=True)
-    torch.set_num_threads(1)  # accelerate just set 2 threads per process
-    assert acc.num_processes == 2
-    result = train_sft(tiny_model(tok), tok, examples, cfg, valid=valid, accelerator=acc)
-    torch.save([p.detach() for p in result.model.parameters()], out / f"rank{acc.process_index}.pt")
-    torch.save(result.history, out / f"history{acc.process_index}.pt")
-    faulthandler.cancel_dump_traceback_later()
+    two_process_worker(out, lambda acc: train_sft(toy_model(tok), tok, examples, cfg, valid=valid, accelerator=acc))
 
 
 def test_two_processes_equal_one_process_with_the_global_batch(tok, items, tmp_path: Path) -> None:
@@ -256,14 +216,11 @@ def test_two_processes_equal_one_process_with_the_global_batch(tok, items, tmp_p
     valid = toy_examples(items)[16:21]  # 5: the processes score 3 and 2 of them
     cfg = SFTConfig(epochs=2, batch_size=4, lr=1e-3, warmup_steps=2)
     debug_launcher(_sft_worker, args=(tok, examples, valid, cfg, tmp_path), num_processes=2)
-    rank0, rank1 = torch.load(tmp_path / "rank0.pt"), torch.load(tmp_path / "rank1.pt")
-    assert all(torch.equal(a, b) for a, b in zip(rank0, rank1))
-    assert torch.load(tmp_path / "history1.pt") == []  # only the main process logs
+    rank0, history = agreeing_ranks(tmp_path)
 
     single_cfg = SFTConfig(epochs=2, batch_size=8, lr=1e-3, warmup_steps=2)
-    single = train_sft(tiny_model(tok), tok, examples, single_cfg, valid=valid)
+    single = train_sft(toy_model(tok), tok, examples, single_cfg, valid=valid)
     assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(rank0, single.model.parameters()))
-    history = torch.load(tmp_path / "history0.pt")
     assert [sorted(h) for h in history] == [sorted(h) for h in single.history]
     for key in ("loss", "answer_loss", "valid_loss", "valid_reasoning_loss"):
         ours = [h[key] for h in history if key in h]
