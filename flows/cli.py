@@ -6,6 +6,10 @@
     gr2 data download                 fetch the public raw Amazon review files
     gr2 promote MODEL [--version N]   move `champion` to a version through the gates in params.yaml
     gr2 bench decode                  AR GR2 vs the diffusion re-rankers: decode speed -> metrics/speed.json
+    gr2 schedule serve                scheduled retraining: a local Prefect server + the gr2-retrain deployment
+    gr2 schedule run                  one retraining now (refresh data, rerun what changed, push, promote)
+    gr2 data snapshot                 version a new snapshot of schedule.source as prepare.data_dir (DVC)
+    gr2 reproduce MODEL@ALIAS         rebuild a registered version from its commit and data hash, compare
 """
 
 from __future__ import annotations
@@ -76,7 +80,9 @@ def cmd_stages(args: argparse.Namespace) -> int:
 def cmd_workspace(args: argparse.Namespace) -> int:
     from flows.workspace import make_workspace
 
-    dest = make_workspace(Path(args.root), Path(args.dest), args.profile, Path(args.data_dir) if args.data_dir else None)
+    dest = make_workspace(
+        Path(args.root), Path(args.dest), args.profile, Path(args.data_dir) if args.data_dir else None, snapshot=args.snapshot, remote=args.remote
+    )
     print(f"workspace ready: {dest}\n  cd {dest} && gr2 run")
     return 0
 
@@ -134,6 +140,80 @@ def cmd_bench_decode(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_reproduce(args: argparse.Namespace) -> int:
+    """Exit 0: reproduced; 1: not reproduced or not reproducible; 2: nothing to reproduce."""
+    from flows.reproduce import ReproduceError, reproduce
+
+    try:
+        report = reproduce(args.model, args.version, Path(args.root), remote=args.remote, rtol=args.rtol, keep=args.keep, record=not args.no_record)
+    except ReproduceError as exc:
+        print(f"reproduce: {exc}", file=sys.stderr)
+        return 2
+    print("\n" + report.text())
+    return 0 if report.reproduced else 1
+
+
+def cmd_schedule_serve(args: argparse.Namespace) -> int:
+    from flows.schedule import load_schedule_config, serve
+
+    root = Path(args.root).resolve()
+    cfg = load_schedule_config(root)
+    when = f"every {args.interval:g} s" if args.interval else f"cron '{args.cron or cfg.cron}' ({cfg.timezone})"
+
+    def ready(api: str, server_pid: int | None) -> None:
+        started = f"started a Prefect server (pid {server_pid})" if server_pid else "using the Prefect server"
+        print(f"{started} at {api}; UI {api.removesuffix('/api')}", flush=True)
+        print(f"serving gr2-retrain/{args.name} for {root}, {when}; Ctrl-C stops it{' and the server' if server_pid else ''}", flush=True)
+
+    try:
+        serve(root, interval_s=args.interval, cron=args.cron, name=args.name, host=args.host, port=args.port, start_api=not args.no_server, on_ready=ready)
+    except RuntimeError as exc:
+        print(f"schedule serve: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def cmd_schedule_run(args: argparse.Namespace) -> int:
+    from flows.schedule import retrain
+    from tasks.tracking import configure
+
+    root = Path(args.root).resolve()
+    configure(root)
+    result = retrain(root=str(root))
+    snap = result["snapshot"]
+    if snap.get("md5"):
+        print(f"data snapshot {snap['path']}: {snap['md5']} ({'new content' if snap['changed'] else 'unchanged'})")
+    print("stages: " + ", ".join(f"{k} {v}" for k, v in result["stages"].items()))
+    for r in result["registered"]:
+        print(f"registered {r['model']} version {r['version']} ({'new' if r['created'] else 'existing'})")
+    for p in result["promotions"]:
+        print(p["summary"])
+    return 0
+
+
+def cmd_data_snapshot(args: argparse.Namespace) -> int:
+    from flows.schedule import load_schedule_config
+    from flows.snapshot import SnapshotError, snapshot_data
+
+    root = Path(args.root).resolve()
+    cfg = load_schedule_config(root)
+    source = args.source or cfg.source
+    if not source:
+        print("data snapshot: no source: pass --source or set schedule.source in params.yaml", file=sys.stderr)
+        return 2
+    try:
+        result = snapshot_data(root, Path(source), commit=cfg.commit and not args.no_commit, push=cfg.push)
+    except SnapshotError as exc:
+        print(f"data snapshot: {exc}", file=sys.stderr)
+        return 2
+    print(
+        f"snapshot {result['path']}: {result['md5']} ({'new content' if result['changed'] else 'unchanged'})"
+        + (f", committed {result['commit'][:12]}" if result["commit"] else "")
+        + (", pushed" if result["pushed"] else "")
+    )
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gr2", description="Diffusion-GR2 pipeline: train, measure, register and promote re-rankers.")
     parser.add_argument("--root", default=".", help="project folder holding dvc.yaml (default: current folder)")
@@ -151,6 +231,8 @@ def build_parser() -> argparse.ArgumentParser:
     ws.add_argument("dest")
     ws.add_argument("--profile", default=None, help="profiles/<name>.yaml merged over params.yaml")
     ws.add_argument("--data-dir", default=None, help="data folder for the copy (default: the project's prepare.data_dir)")
+    ws.add_argument("--snapshot", action="store_true", help="version a copy of the data in DEST/raw with DVC (schedule.source = the data folder)")
+    ws.add_argument("--remote", default=None, help="DVC default remote for the copy: a folder or URL (default: DEST/dvc-remote)")
     ws.set_defaults(fn=cmd_workspace)
 
     prom = sub.add_parser("promote", help="move a model's `champion` alias to a version through the gates in params.yaml (promote:)")
@@ -167,12 +249,38 @@ def build_parser() -> argparse.ArgumentParser:
     bd.add_argument("--examples", type=int, default=None, help="first N test re-ranking examples (default: params)")
     bd.set_defaults(fn=cmd_bench_decode)
 
+    sched = sub.add_parser("schedule", help="scheduled retraining (Prefect deployment gr2-retrain; params schedule:)")
+    sched_sub = sched.add_subparsers(dest="schedule_command", required=True)
+    ss = sched_sub.add_parser("serve", help="serve gr2-retrain on its schedule, starting a local Prefect server unless PREFECT_API_URL answers")
+    ss.add_argument("--cron", default=None, help="cron expression (default: params schedule.cron)")
+    ss.add_argument("--interval", type=float, default=None, help="run every N seconds instead of the cron (tests, demos)")
+    ss.add_argument("--name", default="gr2-retrain", help="deployment name")
+    ss.add_argument("--host", default="127.0.0.1", help="address of the server it starts")
+    ss.add_argument("--port", type=int, default=4200, help="port of the server it starts")
+    ss.add_argument("--no-server", action="store_true", help="never start a server: fail unless PREFECT_API_URL answers")
+    ss.set_defaults(fn=cmd_schedule_serve)
+    sr = sched_sub.add_parser("run", help="one retraining now: refresh data, rerun what changed, push, promote")
+    sr.set_defaults(fn=cmd_schedule_run)
+
+    rep = sub.add_parser("reproduce", help="rebuild a registered version from its git commit and DVC data hash; compare checkpoint and metrics")
+    rep.add_argument("model", help="MODEL@ALIAS (e.g. gr2@champion), or MODEL with a version")
+    rep.add_argument("version", nargs="?", default=None, help="version number when MODEL has no @ALIAS")
+    rep.add_argument("--remote", default=None, help="DVC remote to restore data from (default: the project's default remote, else its cache)")
+    rep.add_argument("--rtol", type=float, default=0.0, help="accept metrics within this relative tolerance when the checkpoint differs")
+    rep.add_argument("--keep", action="store_true", help="keep the temporary worktree with the rebuilt outputs")
+    rep.add_argument("--no-record", action="store_true", help="do not write the verdict as tags on the version")
+    rep.set_defaults(fn=cmd_reproduce)
+
     data = sub.add_parser("data", help="data helpers")
     data_sub = data.add_subparsers(dest="data_command", required=True)
     dl = data_sub.add_parser("download", help="download the public Amazon review files (5-core reviews + metadata)")
     dl.add_argument("--category", default="Beauty")
     dl.add_argument("--dest", default="data/raw/beauty")
     dl.set_defaults(fn=cmd_data_download)
+    sn = data_sub.add_parser("snapshot", help="copy schedule.source into prepare.data_dir, dvc add it, commit the pointer, push")
+    sn.add_argument("--source", default=None, help="folder to snapshot (default: params schedule.source)")
+    sn.add_argument("--no-commit", action="store_true", help="do not commit the pointer file")
+    sn.set_defaults(fn=cmd_data_snapshot)
     return parser
 
 

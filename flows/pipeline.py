@@ -23,6 +23,7 @@ from prefect.runtime import flow_run
 from flows import dvc_stages
 from flows.promote import record_evaluations_task
 from flows.registry import MODEL_STAGES, register_checkpoint
+from flows.reproduce import record_lineage, runtime_tags
 from tasks.tracking import configure, experiment_id, flatten, git_lineage, metric_key
 
 
@@ -93,6 +94,7 @@ def register_model(stage: str, root: str, summary: dict[str, Any]) -> dict[str, 
     tags = {
         **git_lineage(rootp),
         **dvc_stages.lineage_tags(rootp, stage),
+        **runtime_tags(),
         "prefect.flow_run_id": str(flow_run.get_id() or ""),
     }
     # The evaluation numbers travel with the version so promotion can read them.
@@ -100,6 +102,9 @@ def register_model(stage: str, root: str, summary: dict[str, Any]) -> dict[str, 
         if isinstance(value, (int, float)) and key.split(".")[0] in {"full_ranking", "rerank"}:
             tags[metric_key(f"metric.{key}")] = str(value)
     version, created = register_checkpoint(spec, rootp, md5, run_id, tags)
+    if created:
+        # dvc.lock and the metrics as they are now: what `gr2 reproduce` rebuilds and compares against.
+        record_lineage(MlflowClient(), rootp, stage, run_id)
     logger.info("%s version %s (%s)", spec.model_name, version, "new" if created else "already registered")
     return {"model": spec.model_name, "version": version, "created": created}
 

@@ -67,13 +67,15 @@ def smoke_run(tmp_path_factory: pytest.TempPathFactory, shared_data: Path, prefe
     Returns {"ws": the workspace folder (its own git, DVC cache and MLflow store
     in ws/mlflow.db), "first": the first run's stage summaries, "second": the
     second's (everything up to date)}. Tests that change the workspace's registry
-    (promotion, serving) only add aliases and tags.
+    (promotion, serving) only add aliases and tags. The data is a DVC-versioned
+    snapshot in ws/raw (pushed to the workspace's default remote, ws/dvc-remote),
+    so every registered version can be rebuilt by hash (`gr2 reproduce`).
     """
     from flows.pipeline import pipeline
     from flows.workspace import make_workspace
 
     base = tmp_path_factory.mktemp("smoke")
-    ws = make_workspace(ROOT, base / "ws", profile="smoke")
+    ws = make_workspace(ROOT, base / "ws", profile="smoke", snapshot=True)
     saved = {k: os.environ.get(k) for k in ("GR2_TRACKING", "MLFLOW_TRACKING_URI", "GR2_ROOT")}
     os.environ["GR2_TRACKING"] = "on"
     os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{ws / 'mlflow.db'}"
