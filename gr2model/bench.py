@@ -105,11 +105,11 @@ def decode_benchmark(
         for decoder_name, decoder in (("ar", ar_generate), ("hf", hf_generate)):
             out = lm_rerank(ar_model, tok, lists, items, fmt, decoder=decoder, desc=f"bench {decoder_name} b{bs}", **common)
             batch_rows.append(_row(decoder_name, ar_name, None, bs, out, targets))
-            if on_row:
-                on_row(batch_rows[-1])
         best_ar = max(r["tokens_per_s"] for r in batch_rows)
         for r in batch_rows:
             r["speedup"] = r["tokens_per_s"] / best_ar
+            if on_row:
+                on_row(r)  # after the speed-up is known
         for name, model in diffusion_models.items():
             block_size, mask_id = block_diffusion_settings(model)
             for tau in taus:
