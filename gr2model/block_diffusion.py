@@ -146,6 +146,22 @@ def block_diffusion_settings(model: PreTrainedModel) -> tuple[int, int]:
     return int(block_size), int(mask_id)
 
 
+def decoding_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> tuple[int, int, int, int]:
+    """(pad_id, eos_id, mask_id, block_size) for decoding a converted model with its tokenizer.
+
+    Raises:
+        ValueError: the tokenizer lacks a pad, eos or mask token, the model was
+            not converted, or the model's mask id is not the tokenizer's.
+    """
+    pad_id, eos_id, mask_id = tokenizer.pad_token_id, tokenizer.eos_token_id, tokenizer.mask_token_id
+    if pad_id is None or eos_id is None or mask_id is None:
+        raise ValueError("tokenizer needs pad, eos and mask tokens")
+    block_size, model_mask = block_diffusion_settings(model)
+    if model_mask != mask_id:
+        raise ValueError(f"model's mask_token_id {model_mask} but the tokenizer's is {mask_id}")
+    return int(pad_id), int(eos_id), int(mask_id), block_size
+
+
 def convert_to_block_diffusion(
     ar_model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, block_size: int
 ) -> PreTrainedModel:

@@ -52,7 +52,7 @@ from accelerate import Accelerator
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from gr2model.block_diffusion import block_diffusion_settings
+from gr2model.block_diffusion import decoding_ids
 from gr2model.dapo import (
     DAPOConfig,
     RewardFn,
@@ -158,12 +158,7 @@ def train_diffusion_rl(
         DiffusionRLResult (model unwrapped, eval mode).
     """
     accelerator = accelerator or Accelerator()
-    pad_id, eos_id, mask_id = tok.pad_token_id, tok.eos_token_id, tok.mask_token_id
-    if pad_id is None or eos_id is None or mask_id is None:
-        raise ValueError("tokenizer needs pad, eos and mask tokens")
-    block_size, model_mask = block_diffusion_settings(model)
-    if model_mask != mask_id:
-        raise ValueError(f"model's mask_token_id {model_mask} but the tokenizer's is {mask_id}")
+    pad_id, eos_id, mask_id, block_size = decoding_ids(model, tok)
     if len(prompts) == 0:
         raise ValueError("no prompts")
     world, rank = accelerator.num_processes, accelerator.process_index

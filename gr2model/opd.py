@@ -100,7 +100,7 @@ from accelerate.utils import gather_object
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from gr2model.block_diffusion import block_diffusion_settings
+from gr2model.block_diffusion import decoding_ids
 from gr2model.dapo import RewardFn, _PromptStream, _zero_grad_forward, response_logits
 from gr2model.diffusion_decode import diffusion_generate
 from gr2model.diffusion_replay import (
@@ -434,12 +434,7 @@ def train_opd(
         OPDResult (student unwrapped, eval mode).
     """
     accelerator = accelerator or Accelerator()
-    pad_id, eos_id, mask_id = tok.pad_token_id, tok.eos_token_id, tok.mask_token_id
-    if pad_id is None or eos_id is None or mask_id is None:
-        raise ValueError("tokenizer needs pad, eos and mask tokens")
-    block_size, model_mask = block_diffusion_settings(student)
-    if model_mask != mask_id:
-        raise ValueError(f"student's mask_token_id {model_mask} but the tokenizer's is {mask_id}")
+    pad_id, eos_id, mask_id, block_size = decoding_ids(student, tok)
     if len(prompts) == 0:
         raise ValueError("no prompts")
     world, rank = accelerator.num_processes, accelerator.process_index

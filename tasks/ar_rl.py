@@ -86,18 +86,22 @@ def first_last_summary(history: list[dict[str, float]], keys: Sequence[str]) -> 
     return {f"{k}_{when}": avg(rows, k) for k in keys for when, rows in (("first", head), ("last", tail))}
 
 
+def rewarded_prompts(root: Path, tok: Any, max_prompts: int, rcfg: RewardConfig) -> tuple[list[list[int]], RewardFn]:
+    """The training prompts an RL-style stage draws from (token ids), and the reward of a completion of prompt i."""
+    ds, _ = load_prepared(root / PREPARED)
+    items = ItemText(ds.items)
+    examples = training_prompts(root, load_format(root), items, max_prompts)
+    prompts = [tok(p, add_special_tokens=False)["input_ids"] for p in examples["prompt"].to_list()]
+    return prompts, make_reward_fn(tok, examples, items, rcfg)
+
+
 def run(cfg: ArRlConfig, root: Path, log: logging.Logger, tracker: StageTracker) -> dict[str, Any]:
     timings: dict[str, float] = {}
     start = time.perf_counter()
     torch.manual_seed(cfg.seed)
-    ds, _ = load_prepared(root / PREPARED)
-    items = ItemText(ds.items)
-    fmt = load_format(root)
     model, tok = load_hf_checkpoint(root / SFT_CHECKPOINT)
-    examples = training_prompts(root, fmt, items, cfg.max_prompts)
-    prompts = [tok(p, add_special_tokens=False)["input_ids"] for p in examples["prompt"].to_list()]
     rcfg = RewardConfig(format_bonus=cfg.format_bonus, invalid_penalty=cfg.invalid_penalty)
-    reward_fn = make_reward_fn(tok, examples, items, rcfg)
+    prompts, reward_fn = rewarded_prompts(root, tok, cfg.max_prompts, rcfg)
 
     dcfg = cfg.train
     with timed(log, f"DAPO: {dcfg.steps} steps x {dcfg.prompts_per_step} prompts x {dcfg.group_size} samples", timings, "train_s"):

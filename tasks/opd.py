@@ -21,17 +21,13 @@ from typing import Any
 import torch
 
 from gr2model.checkpoint import load_hf_checkpoint, read_stage_config, save_hf_checkpoint
-from gr2model.data import load_prepared
 from gr2model.opd import OPDConfig, train_opd
-from gr2model.rerank_format import ItemText
 from gr2model.rewards import RewardConfig
-from tasks.ar_rl import first_last_summary, make_reward_fn, training_prompts
+from tasks.ar_rl import first_last_summary, rewarded_prompts
 from tasks.common import StageConfig, atomic_dir, stage_main, timed
-from tasks.traces import load_format
 from tasks.tracking import StageTracker
 
 STAGE = "opd"
-PREPARED = Path("data/prepared")
 STUDENT = Path("checkpoints/dgr2-cft")
 TEACHER = Path("checkpoints/gr2")
 CHECKPOINT = Path("checkpoints/dgr2-opd")
@@ -53,14 +49,9 @@ def run(cfg: OpdStageConfig, root: Path, log: logging.Logger, tracker: StageTrac
     timings: dict[str, float] = {}
     start = time.perf_counter()
     torch.manual_seed(cfg.seed)
-    ds, _ = load_prepared(root / PREPARED)
-    items = ItemText(ds.items)
-    fmt = load_format(root)
     student, tok = load_hf_checkpoint(root / STUDENT)
     teacher, _ = load_hf_checkpoint(root / TEACHER)
-    examples = training_prompts(root, fmt, items, cfg.max_prompts)
-    prompts = [tok(p, add_special_tokens=False)["input_ids"] for p in examples["prompt"].to_list()]
-    reward_fn = make_reward_fn(tok, examples, items, RewardConfig())
+    prompts, reward_fn = rewarded_prompts(root, tok, cfg.max_prompts, RewardConfig())
     ocfg = cfg.train
     on_step = lambda m: tracker.log_metrics({k: v for k, v in m.items() if k != "step"}, step=int(m["step"]))  # noqa: E731
     with timed(log, f"OPD: {ocfg.steps} steps x {ocfg.prompts_per_step} prompts x {ocfg.rollouts_per_prompt} rollouts ({ocfg.kind} KL)", timings, "train_s"):

@@ -20,17 +20,13 @@ from typing import Any
 import torch
 
 from gr2model.checkpoint import load_hf_checkpoint, read_stage_config, save_hf_checkpoint
-from gr2model.data import load_prepared
 from gr2model.diffusion_rl import DiffusionRLConfig, train_diffusion_rl
-from gr2model.rerank_format import ItemText
 from gr2model.rewards import RewardConfig
-from tasks.ar_rl import first_last_summary, make_reward_fn, training_prompts
+from tasks.ar_rl import first_last_summary, rewarded_prompts
 from tasks.common import StageConfig, atomic_dir, stage_main, timed
-from tasks.traces import load_format
 from tasks.tracking import StageTracker
 
 STAGE = "rl"
-PREPARED = Path("data/prepared")
 START = Path("checkpoints/dgr2-opd")
 CHECKPOINT = Path("checkpoints/dgr2")
 METRICS = Path("metrics/rl.json")
@@ -53,13 +49,9 @@ def run(cfg: RlStageConfig, root: Path, log: logging.Logger, tracker: StageTrack
     timings: dict[str, float] = {}
     start = time.perf_counter()
     torch.manual_seed(cfg.seed)
-    ds, _ = load_prepared(root / PREPARED)
-    items = ItemText(ds.items)
-    fmt = load_format(root)
     model, tok = load_hf_checkpoint(root / START)
-    examples = training_prompts(root, fmt, items, cfg.max_prompts)
-    prompts = [tok(p, add_special_tokens=False)["input_ids"] for p in examples["prompt"].to_list()]
-    reward_fn = make_reward_fn(tok, examples, items, RewardConfig(format_bonus=cfg.format_bonus, invalid_penalty=cfg.invalid_penalty))
+    reward = RewardConfig(format_bonus=cfg.format_bonus, invalid_penalty=cfg.invalid_penalty)
+    prompts, reward_fn = rewarded_prompts(root, tok, cfg.max_prompts, reward)
     rcfg = cfg.train
     on_step = lambda m: tracker.log_metrics({k: v for k, v in m.items() if k != "step"}, step=int(m["step"]))  # noqa: E731
     with timed(log, f"diffusion RL: {rcfg.steps} steps x {rcfg.prompts_per_step} prompts x {rcfg.group_size} rollouts", timings, "train_s"):
