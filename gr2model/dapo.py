@@ -44,11 +44,13 @@ from gr2model.ar_decode import ar_generate
 __all__ = [
     "DAPOConfig",
     "DAPOResult",
+    "PolicyRun",
     "RewardFn",
     "group_advantages",
     "dapo_loss",
     "response_logits",
     "sequence_logprobs",
+    "start_policy_run",
     "train_dapo",
 ]
 
@@ -303,6 +305,75 @@ class _PromptStream:
             out.append(self.order[self.pos])
             self.pos += 1
         return out
+
+
+@dataclass
+class PolicyRun:
+    """What every on-policy loop here (`train_dapo`, OPD, diffusion RL) sets up the same way.
+
+    `model` is the prepared module the optimizer trains (DDP-wrapped under several
+    processes); `policy` is the same weights unwrapped, for decoding and no-grad
+    forwards, whose number may differ between processes (a DDP forward may sync
+    buffers, a collective). The prompt stream has the same order on every process;
+    the sampling and shuffling generators are per process, so processes draw
+    independent noise.
+    """
+
+    accelerator: Accelerator
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    policy: torch.nn.Module
+    stream: _PromptStream
+    sample_gen: torch.Generator
+    shuffle_gen: torch.Generator
+
+    @property
+    def rank(self) -> int:
+        return self.accelerator.process_index
+
+    @property
+    def world(self) -> int:
+        return self.accelerator.num_processes
+
+    @property
+    def device(self) -> torch.device:
+        return self.accelerator.device
+
+    def global_sum(self, values: list[float]) -> list[float]:
+        """Element-wise sum of `values` over processes (float64)."""
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        return self.accelerator.reduce(t, reduction="sum").tolist()
+
+    def finish(self) -> PreTrainedModel:
+        """Wait for every process; the trained weights, unwrapped, in eval mode."""
+        self.accelerator.wait_for_everyone()
+        trained = self.accelerator.unwrap_model(self.model)
+        trained.eval()
+        return trained
+
+
+def start_policy_run(
+    model: PreTrainedModel, accelerator: Accelerator, *, n_prompts: int, lr: float, weight_decay: float, seed: int
+) -> PolicyRun:
+    """AdamW over `model`, both prepared by `accelerator`, the model in eval mode (dropout
+    would make a ratio or a replay compare two different functions; gradients flow in
+    eval mode all the same), a seeded prompt stream over `n_prompts` and the
+    per-process generators (sampling's on the model's device)."""
+    if n_prompts == 0:
+        raise ValueError("no prompts")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+    prepared, optimizer = accelerator.prepare(model, optimizer)
+    prepared.eval()
+    rank = accelerator.process_index
+    return PolicyRun(
+        accelerator=accelerator,
+        model=prepared,
+        optimizer=optimizer,
+        policy=accelerator.unwrap_model(prepared),
+        stream=_PromptStream(n_prompts, seed),
+        sample_gen=torch.Generator(device=accelerator.device).manual_seed(seed * 1_000_003 + rank),
+        shuffle_gen=torch.Generator().manual_seed(seed * 1_000_003 + 7919 + rank),
+    )
 
 
 @dataclass
@@ -576,31 +647,17 @@ def train_dapo(
     pad_id, eos_id = tok.pad_token_id, tok.eos_token_id
     if pad_id is None or eos_id is None:
         raise ValueError("tokenizer needs pad and eos tokens")
-    if len(prompts) == 0:
-        raise ValueError("no prompts")
-    world, rank = accelerator.num_processes, accelerator.process_index
-    device = accelerator.device
+    run = start_policy_run(
+        model, accelerator, n_prompts=len(prompts), lr=cfg.lr, weight_decay=cfg.weight_decay, seed=cfg.seed
+    )
+    model, optimizer, policy, global_sum = run.model, run.optimizer, run.policy, run.global_sum
     G = cfg.group_size
-
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    model, optimizer = accelerator.prepare(model, optimizer)
-    policy = accelerator.unwrap_model(model)
-    model.eval()
-
-    stream = _PromptStream(len(prompts), cfg.seed)  # same order on every process
-    # Per-process streams: processes sample different prompts, and independent
-    # noise on each. Sampling needs a generator on the model's device.
-    sample_gen = torch.Generator(device=device).manual_seed(cfg.seed * 1_000_003 + rank)
-    shuffle_gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + 7919 + rank)
-
-    def global_sum(values: list[float]) -> list[float]:
-        return accelerator.reduce(torch.tensor(values, dtype=torch.float64, device=device), reduction="sum").tolist()
 
     def sample(mine: list[int]) -> list[tuple[list[int], Any]]:
         rows = [prompts[i] for i in mine for _ in range(G)]
         out = ar_generate(
             policy, rows, pad_id=pad_id, eos_id=eos_id, max_new_tokens=cfg.max_new_tokens,
-            temperature=cfg.temperature, generator=sample_gen,
+            temperature=cfg.temperature, generator=run.sample_gen,
         )
         return [(seq, None) for seq in out.sequences]
 
@@ -612,8 +669,9 @@ def train_dapo(
     for step in bar:
         t0 = time.perf_counter()
         samples = _sample_step(
-            stream, sample, reward_fn, prompts_per_step=cfg.prompts_per_step, group_size=G,
-            max_resample_rounds=cfg.max_resample_rounds, eos_id=eos_id, rank=rank, world=world, global_sum=global_sum,
+            run.stream, sample, reward_fn, prompts_per_step=cfg.prompts_per_step, group_size=G,
+            max_resample_rounds=cfg.max_resample_rounds, eos_id=eos_id, rank=run.rank, world=run.world,
+            global_sum=global_sum,
         )
         kept = samples.kept
         rollout_s = time.perf_counter() - t0
@@ -632,7 +690,7 @@ def train_dapo(
         upd, grad_norms = _update_policy(
             model, optimizer, accelerator, kept, old, logprobs, lambda r: len(r.completion),
             n_kept_global=samples.kept_groups * G, minibatch_size=cfg.minibatch_size, inner_epochs=cfg.inner_epochs,
-            clip_low=cfg.clip_low, clip_high=cfg.clip_high, grad_clip=cfg.grad_clip, shuffle_gen=shuffle_gen,
+            clip_low=cfg.clip_low, clip_high=cfg.clip_high, grad_clip=cfg.grad_clip, shuffle_gen=run.shuffle_gen,
             pad_id=pad_id, global_sum=global_sum,
         )
         update_s = time.perf_counter() - t1
@@ -646,7 +704,4 @@ def train_dapo(
                 on_step(metrics)
             bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", kept=samples.kept_groups)
     bar.close()
-    accelerator.wait_for_everyone()
-    trained = accelerator.unwrap_model(model)
-    trained.eval()
-    return DAPOResult(model=trained, history=history)
+    return DAPOResult(model=run.finish(), history=history)

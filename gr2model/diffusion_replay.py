@@ -150,6 +150,17 @@ class Trajectory:
         """The sequence the decoder returned (eos included when emitted)."""
         return self.tokens[: self.length]
 
+    @property
+    def committed(self) -> int:
+        """Tokens with a commit step: the sequence and any committed tail (what a replay scores)."""
+        return sum(1 for s in self.steps if s >= 0)
+
+    @property
+    def forwards(self) -> int:
+        """Decoder forwards that committed this row's tokens (each forward commits at least
+        one token of every row it carries, so committed / forwards is tokens per forward)."""
+        return len({s for s in self.steps if s >= 0})
+
 
 def trajectories_from_decode(prompts: Sequence[Sequence[int]], out: DiffusionDecodeOutput) -> list[Trajectory]:
     """The trajectories of a `diffusion_generate(..., return_trace=True)` call, one per prompt.

@@ -56,11 +56,11 @@ from gr2model.block_diffusion import decoding_ids
 from gr2model.dapo import (
     DAPOConfig,
     RewardFn,
-    _PromptStream,
     _Rollout,
     _sample_step,
     _step_metrics,
     _update_policy,
+    start_policy_run,
 )
 from gr2model.diffusion_decode import diffusion_generate
 from gr2model.diffusion_replay import (
@@ -109,11 +109,6 @@ class DiffusionRLResult:
     history: list[dict[str, float]] = field(default_factory=list)
 
 
-def _scored(traj: Trajectory) -> int:
-    """Tokens of a rollout that the update scores: every committed one (tail included)."""
-    return sum(1 for s in traj.steps if s >= 0)
-
-
 def train_diffusion_rl(
     model: PreTrainedModel,
     tok: PreTrainedTokenizerBase,
@@ -159,23 +154,11 @@ def train_diffusion_rl(
     """
     accelerator = accelerator or Accelerator()
     pad_id, eos_id, mask_id, block_size = decoding_ids(model, tok)
-    if len(prompts) == 0:
-        raise ValueError("no prompts")
-    world, rank = accelerator.num_processes, accelerator.process_index
-    device = accelerator.device
+    run = start_policy_run(
+        model, accelerator, n_prompts=len(prompts), lr=cfg.lr, weight_decay=cfg.weight_decay, seed=cfg.seed
+    )
+    model, optimizer, policy, global_sum = run.model, run.optimizer, run.policy, run.global_sum
     G = cfg.group_size
-
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    model, optimizer = accelerator.prepare(model, optimizer)
-    policy = accelerator.unwrap_model(model)
-    model.eval()
-
-    stream = _PromptStream(len(prompts), cfg.seed)  # same order on every process
-    sample_gen = torch.Generator(device=device).manual_seed(cfg.seed * 1_000_003 + rank)
-    shuffle_gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + 7919 + rank)
-
-    def global_sum(values: list[float]) -> list[float]:
-        return accelerator.reduce(torch.tensor(values, dtype=torch.float64, device=device), reduction="sum").tolist()
 
     decode_tally = [0.0, 0.0]  # this step's committed tokens, forwards that committed them
 
@@ -184,13 +167,12 @@ def train_diffusion_rl(
         out = diffusion_generate(
             policy, rows, pad_id=pad_id, eos_id=eos_id, mask_id=mask_id, block_size=block_size,
             threshold=cfg.threshold, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-            generator=sample_gen, return_trace=True, return_logprobs=True,
+            generator=run.sample_gen, return_trace=True, return_logprobs=True,
         )
         trajs = trajectories_from_decode(rows, out)
         for t in trajs:
-            done = [s for s in t.steps if s >= 0]
-            decode_tally[0] += len(done)
-            decode_tally[1] += len(set(done))  # every forward commits >= 1 token of each row it carries
+            decode_tally[0] += t.committed
+            decode_tally[1] += t.forwards
         return [(t.response, t) for t in trajs]
 
     def logprobs(m: torch.nn.Module, chunk: list[_Rollout]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -211,8 +193,9 @@ def train_diffusion_rl(
         t0 = time.perf_counter()
         decode_tally[:] = [0.0, 0.0]
         samples = _sample_step(
-            stream, sample, reward_fn, prompts_per_step=cfg.prompts_per_step, group_size=G,
-            max_resample_rounds=cfg.max_resample_rounds, eos_id=eos_id, rank=rank, world=world, global_sum=global_sum,
+            run.stream, sample, reward_fn, prompts_per_step=cfg.prompts_per_step, group_size=G,
+            max_resample_rounds=cfg.max_resample_rounds, eos_id=eos_id, rank=run.rank, world=run.world,
+            global_sum=global_sum,
         )
         kept = samples.kept
         rollout_s = time.perf_counter() - t0
@@ -221,7 +204,7 @@ def train_diffusion_rl(
         old: list[torch.Tensor] = []
         if samples.kept_groups > 0:
             if cfg.old_logprobs == "decode":
-                old = [torch.tensor(r.extra.logprobs, dtype=torch.float32, device=device) for r in kept]
+                old = [torch.tensor(r.extra.logprobs, dtype=torch.float32, device=run.device) for r in kept]
             else:
                 # The unwrapped module, as in train_dapo: processes run different
                 # numbers of these forwards.
@@ -231,9 +214,9 @@ def train_diffusion_rl(
                         lp, _ = logprobs(policy, chunk)
                         old += [lp[i, : len(r.extra.tokens)] for i, r in enumerate(chunk)]
         upd, grad_norms = _update_policy(
-            model, optimizer, accelerator, kept, old, logprobs, lambda r: _scored(r.extra),
+            model, optimizer, accelerator, kept, old, logprobs, lambda r: r.extra.committed,
             n_kept_global=samples.kept_groups * G, minibatch_size=cfg.minibatch_size, inner_epochs=cfg.inner_epochs,
-            clip_low=cfg.clip_low, clip_high=cfg.clip_high, grad_clip=cfg.grad_clip, shuffle_gen=shuffle_gen,
+            clip_low=cfg.clip_low, clip_high=cfg.clip_high, grad_clip=cfg.grad_clip, shuffle_gen=run.shuffle_gen,
             pad_id=pad_id, global_sum=global_sum, split=split,
         )
         update_s = time.perf_counter() - t1
@@ -251,10 +234,7 @@ def train_diffusion_rl(
                 on_step(metrics)
             bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", kept=samples.kept_groups)
     bar.close()
-    accelerator.wait_for_everyone()
-    trained = accelerator.unwrap_model(model)
-    trained.eval()
-    return DiffusionRLResult(model=trained, history=history)
+    return DiffusionRLResult(model=run.finish(), history=history)
 
 
 def _canvases(traj: Trajectory, block_size: int) -> int:

@@ -101,7 +101,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from gr2model.block_diffusion import decoding_ids
-from gr2model.dapo import RewardFn, _PromptStream, _zero_grad_forward, response_logits
+from gr2model.dapo import RewardFn, _zero_grad_forward, response_logits, start_policy_run
 from gr2model.diffusion_decode import diffusion_generate
 from gr2model.diffusion_replay import (
     DEFAULT_MAX_COPIES,
@@ -437,30 +437,21 @@ def train_opd(
     pad_id, eos_id, mask_id, block_size = decoding_ids(student, tok)
     if len(prompts) == 0:
         raise ValueError("no prompts")
-    world, rank = accelerator.num_processes, accelerator.process_index
-    device = accelerator.device
     if _vocab_of(teacher) != _vocab_of(student):
         raise ValueError(f"teacher vocabulary {_vocab_of(teacher)} != student's {_vocab_of(student)}")
-    teacher = teacher.to(device).eval()
-
-    optimizer = torch.optim.AdamW(student.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    model, optimizer = accelerator.prepare(student, optimizer)
-    policy = accelerator.unwrap_model(model)
-    model.eval()
-
-    stream = _PromptStream(len(prompts), cfg.seed)  # same order on every process
-    sample_gen = torch.Generator(device=device).manual_seed(cfg.seed * 1_000_003 + rank)
-    shuffle_gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + 7919 + rank)
-
-    def global_sum(values: list[float]) -> list[float]:
-        return accelerator.reduce(torch.tensor(values, dtype=torch.float64, device=device), reduction="sum").tolist()
+    teacher = teacher.to(accelerator.device).eval()
+    run = start_policy_run(
+        student, accelerator, n_prompts=len(prompts), lr=cfg.lr, weight_decay=cfg.weight_decay, seed=cfg.seed
+    )
+    model, optimizer, policy, global_sum = run.model, run.optimizer, run.policy, run.global_sum
+    world, device = run.world, run.device
 
     history: list[dict[str, float]] = []
     bar = tqdm(range(cfg.steps), desc="opd", disable=not accelerator.is_main_process)
     for step in bar:
         # ---------------------------------------------------------- rollouts
         t0 = time.perf_counter()
-        mine = stream.take(cfg.prompts_per_step)[rank::world]
+        mine = run.stream.take(cfg.prompts_per_step)[run.rank :: world]
         trajs: list[Trajectory] = []
         prompt_of: list[int] = []
         committed = forwards = 0  # per rollout: tokens committed, forwards that committed them
@@ -472,13 +463,11 @@ def train_opd(
             out = diffusion_generate(
                 policy, rows, pad_id=pad_id, eos_id=eos_id, mask_id=mask_id, block_size=block_size,
                 threshold=cfg.threshold, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-                generator=sample_gen, return_trace=True,
+                generator=run.sample_gen, return_trace=True,
             )
             trajs = trajectories_from_decode(rows, out)
-            for t in trajs:
-                done = [s for s in t.steps if s >= 0]
-                committed += len(done)
-                forwards += len(set(done))
+            committed = sum(t.committed for t in trajs)
+            forwards = sum(t.forwards for t in trajs)
             if reward_fn is not None:
                 for i, seq in zip(prompt_of, out.sequences):
                     value, info = reward_fn(i, list(seq))
@@ -508,7 +497,7 @@ def train_opd(
         kl_sums = [[0.0, 0.0] for _ in range(cfg.inner_epochs)]  # per pass: KL sum, tokens
         replay = [0.0, 0.0, 0.0]  # canvases, rows, columns (first pass)
         for epoch in range(cfg.inner_epochs):
-            order = torch.randperm(len(trajs), generator=shuffle_gen)
+            order = torch.randperm(len(trajs), generator=run.shuffle_gen)
             for idx in torch.tensor_split(order, n_mb):
                 idx = idx.tolist()
                 n_tok_local = sum(trajs[i].length for i in idx)
@@ -580,10 +569,7 @@ def train_opd(
                 on_step(metrics)
             bar.set_postfix(kl=f"{metrics['kl']:.4f}")
     bar.close()
-    accelerator.wait_for_everyone()
-    trained = accelerator.unwrap_model(model)
-    trained.eval()
-    return OPDResult(model=trained, history=history)
+    return OPDResult(model=run.finish(), history=history)
 
 
 def _vocab_of(model: torch.nn.Module) -> int:
