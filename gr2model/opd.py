@@ -425,7 +425,7 @@ def train_opd(
             rollout's reward and info are averaged into the step's metrics.
         on_step: called on the main process with each step's metrics: step, kl
             (mean per-token KL of the step's first pass, before each
-            minibatch's update), kl_last (last pass), response_length,
+            minibatch's update), kl_last_pass (the same over the last pass), response_length,
             truncated_rate, tokens_per_forward, canvases_per_rollout,
             replay_rows, replay_columns, grad_norm, lr, rollout_s, teacher_s,
             update_s (and reward_mean + info keys with reward_fn).
@@ -544,7 +544,7 @@ def train_opd(
         metrics: dict[str, float] = {
             "step": float(step + 1),
             "kl": tot[5] / max(tot[6], 1.0),
-            "kl_last": tot[7] / max(tot[8], 1.0),
+            "kl_last_pass": tot[7] / max(tot[8], 1.0),
             "response_length": tot[1] / n,
             "truncated_rate": tot[2] / n,
             # Per rollout (each forward commits >= 1 token of every row it carries).

@@ -61,15 +61,20 @@ def training_prompts(root: Path, fmt: FormatConfig, items: ItemText, max_prompts
 def make_reward_fn(tok: Any, examples: pl.DataFrame, items: ItemText, rcfg: RewardConfig) -> RewardFn:
     """The conditional verifiable reward of a completion of training prompt i (ar_rl, opd monitoring, rl).
 
-    Info logged per step: valid (a valid permutation), copy (the incoming order
-    copied), hit1 (the target ranked first).
+    Info logged per step: format (valid JSON in the answer format), valid (a valid
+    permutation), copy (the incoming order copied), hit1 (the target ranked first).
     """
     candidates = examples["candidates"].to_list()
     targets = examples["target"].to_list()
 
     def reward_fn(i: int, completion: list[int]) -> tuple[float, dict[str, float]]:
         parsed = parse_response(tok.decode(completion, skip_special_tokens=False), candidates[i], items)
-        info = {"valid": float(parsed.valid_permutation), "copy": float(parsed.copies_incoming), "hit1": float(parsed.ranking[0] == targets[i])}
+        info = {
+            "format": float(parsed.valid_format),
+            "valid": float(parsed.valid_permutation),
+            "copy": float(parsed.copies_incoming),
+            "hit1": float(parsed.ranking[0] == targets[i]),
+        }
         return rerank_reward(parsed, candidates[i], targets[i], rcfg), info
 
     return reward_fn
@@ -115,7 +120,7 @@ def run(cfg: ArRlConfig, root: Path, log: logging.Logger, tracker: StageTracker)
         "steps": len(result.history),
         "prompts_available": len(prompts),
         # first and last fifth of training: the rollouts' own reward, validity and copy rate
-        **first_last_summary(result.history, ("reward_mean", "valid", "copy", "hit1")),
+        **first_last_summary(result.history, ("reward_mean", "format", "valid", "copy", "hit1")),
         **timings,
         "seconds": round(time.perf_counter() - start, 2),
     }

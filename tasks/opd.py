@@ -58,7 +58,7 @@ def run(cfg: OpdStageConfig, root: Path, log: logging.Logger, tracker: StageTrac
         result = train_opd(student, teacher, tok, prompts, ocfg, reward_fn=reward_fn, on_step=on_step)
     with atomic_dir(root / CHECKPOINT) as out:
         save_hf_checkpoint(out, result.model, tok, {"stage": STAGE, "from": str(STUDENT), "teacher": str(TEACHER), "cft": read_stage_config(root / STUDENT), STAGE: cfg.model_dump()})
-    keys = sorted({k for h in result.history for k in h} & {"kl", "loss", "reward_mean", "valid", "copy", "hit1", "tokens_per_forward"})
+    keys = sorted({k for h in result.history for k in h} & {"kl", "reward_mean", "format", "valid", "copy", "hit1", "tokens_per_forward"})
     return {
         "steps": len(result.history),
         "prompts_available": len(prompts),

@@ -61,7 +61,7 @@ def run(cfg: RlStageConfig, root: Path, log: logging.Logger, tracker: StageTrack
     return {
         "steps": len(result.history),
         "prompts_available": len(prompts),
-        **first_last_summary(result.history, ("reward_mean", "valid", "copy", "hit1", "tokens_per_forward")),
+        **first_last_summary(result.history, ("reward_mean", "format", "valid", "copy", "hit1", "tokens_per_forward")),
         **timings,
         "seconds": round(time.perf_counter() - start, 2),
     }

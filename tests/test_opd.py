@@ -165,7 +165,7 @@ def test_train_opd_moves_the_student_toward_the_teacher(tok) -> None:
     seen: list[dict[str, float]] = []
     result = train_opd(student, teacher, tok, random_prompts(tok, 16, seed=4), cfg, on_step=seen.append)
     assert seen == result.history and len(seen) == 15
-    assert {"kl", "kl_last", "response_length", "tokens_per_forward", "canvases_per_rollout", "replay_rows",
+    assert {"kl", "kl_last_pass", "response_length", "tokens_per_forward", "canvases_per_rollout", "replay_rows",
             "teacher_s", "update_s"} <= set(seen[0])
     first = sum(h["kl"] for h in seen[:3]) / 3
     last = sum(h["kl"] for h in seen[-3:]) / 3
@@ -185,7 +185,7 @@ def test_train_opd_reverse_top_k_and_reward_monitoring(tok) -> None:
     assert all("reward_mean" in x and "long" in x for x in h)
     assert h[0]["reward_mean"] == pytest.approx(h[0]["response_length"])
     # Two passes per step: the second sees the first's updates.
-    assert sum(x["kl_last"] for x in h) < sum(x["kl"] for x in h)
+    assert sum(x["kl_last_pass"] for x in h) < sum(x["kl"] for x in h)
     assert sum(x["kl"] for x in h[-3:]) < sum(x["kl"] for x in h[:3])
 
 

@@ -83,6 +83,10 @@ def test_dvc_outputs_and_metrics(smoke_run: dict[str, Any]) -> None:
     assert "## Ablation (test" in (ws / "reports/evaluate.md").read_text()
     for stage in ("opd", "rl"):
         assert json.loads((ws / f"metrics/{stage}.json").read_text())["steps"] == 1
+    for stage in ("ar_rl", "opd", "rl"):
+        m = json.loads((ws / f"metrics/{stage}.json").read_text())
+        # The reward's monitors, averaged over rollouts: valid JSON, valid permutation.
+        assert 0.0 <= m["format_first"] <= 1.0 and 0.0 <= m["valid_first"] <= m["format_first"]
     lock = (ws / "dvc.lock").read_text()
     assert "checkpoints/retriever" in lock and "data/prepared" in lock
 
