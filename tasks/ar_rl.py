@@ -112,7 +112,7 @@ def run(cfg: ArRlConfig, root: Path, log: logging.Logger, tracker: StageTracker)
     with timed(log, f"DAPO: {dcfg.steps} steps x {dcfg.prompts_per_step} prompts x {dcfg.group_size} samples", timings, "train_s"):
         result = train_dapo(
             model, tok, prompts, reward_fn, dcfg,
-            on_step=lambda m: tracker.log_metrics({k: v for k, v in m.items() if k != "step"}, step=int(m["step"])),
+            on_step=tracker.log_step,
         )
     with atomic_dir(root / CHECKPOINT) as out:
         save_hf_checkpoint(out, result.model, tok, {"stage": STAGE, "from": str(SFT_CHECKPOINT), "sft": read_stage_config(root / SFT_CHECKPOINT), STAGE: cfg.model_dump()})

@@ -76,9 +76,8 @@ def run(cfg: CftStageConfig, root: Path, log: logging.Logger, tracker: StageTrac
     ccfg = cfg.train
     model = convert_to_block_diffusion(ar_model, tok, ccfg.block_size)
     del ar_model
-    step_metrics = lambda m: tracker.log_metrics({k: v for k, v in m.items() if k != "step"}, step=int(m.get("step", 0)))  # noqa: E731
     with timed(log, f"CFT for {ccfg.epochs} epochs (block size {ccfg.block_size})", timings, "train_s"):
-        result = train_cft(model, tok, train, ccfg, valid=valid or None, on_step=step_metrics)
+        result = train_cft(model, tok, train, ccfg, valid=valid or None, on_step=tracker.log_step)
     lineage = read_stage_config(root / GR2)
     with atomic_dir(root / CHECKPOINT) as out:
         save_hf_checkpoint(out, result.model, tok, {"stage": STAGE, **cfg.model_dump(), "converted_from": lineage})

@@ -53,9 +53,8 @@ def run(cfg: OpdStageConfig, root: Path, log: logging.Logger, tracker: StageTrac
     teacher, _ = load_hf_checkpoint(root / TEACHER)
     prompts, reward_fn = rewarded_prompts(root, tok, cfg.max_prompts, RewardConfig())
     ocfg = cfg.train
-    on_step = lambda m: tracker.log_metrics({k: v for k, v in m.items() if k != "step"}, step=int(m["step"]))  # noqa: E731
     with timed(log, f"OPD: {ocfg.steps} steps x {ocfg.prompts_per_step} prompts x {ocfg.rollouts_per_prompt} rollouts ({ocfg.kind} KL)", timings, "train_s"):
-        result = train_opd(student, teacher, tok, prompts, ocfg, reward_fn=reward_fn, on_step=on_step)
+        result = train_opd(student, teacher, tok, prompts, ocfg, reward_fn=reward_fn, on_step=tracker.log_step)
     with atomic_dir(root / CHECKPOINT) as out:
         save_hf_checkpoint(out, result.model, tok, {"stage": STAGE, "from": str(STUDENT), "teacher": str(TEACHER), "cft": read_stage_config(root / STUDENT), STAGE: cfg.model_dump()})
     keys = sorted({k for h in result.history for k in h} & {"kl", "reward_mean", "format", "valid", "copy", "hit1", "tokens_per_forward"})

@@ -53,9 +53,8 @@ def run(cfg: RlStageConfig, root: Path, log: logging.Logger, tracker: StageTrack
     reward = RewardConfig(format_bonus=cfg.format_bonus, invalid_penalty=cfg.invalid_penalty)
     prompts, reward_fn = rewarded_prompts(root, tok, cfg.max_prompts, reward)
     rcfg = cfg.train
-    on_step = lambda m: tracker.log_metrics({k: v for k, v in m.items() if k != "step"}, step=int(m["step"]))  # noqa: E731
     with timed(log, f"diffusion RL: {rcfg.steps} steps x {rcfg.prompts_per_step} prompts x {rcfg.group_size} rollouts", timings, "train_s"):
-        result = train_diffusion_rl(model, tok, prompts, reward_fn, rcfg, on_step=on_step)
+        result = train_diffusion_rl(model, tok, prompts, reward_fn, rcfg, on_step=tracker.log_step)
     with atomic_dir(root / CHECKPOINT) as out:
         save_hf_checkpoint(out, result.model, tok, {"stage": STAGE, "from": str(START), "opd": read_stage_config(root / START), STAGE: cfg.model_dump()})
     return {

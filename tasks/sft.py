@@ -80,9 +80,8 @@ def run(cfg: SftStageConfig, root: Path, log: logging.Logger, tracker: StageTrac
     log.info("model: %d parameters, vocabulary %d; %d training / %d validation traces", n_params, len(tok), len(train), len(valid))
 
     scfg = cfg.train
-    step_metrics = lambda m: tracker.log_metrics({k: v for k, v in m.items() if k != "step"}, step=int(m.get("step", 0)))  # noqa: E731
     with timed(log, f"SFT for {scfg.epochs} epochs", timings, "train_s"):
-        result = train_sft(model, tok, train, scfg, valid=valid or None, on_step=step_metrics)
+        result = train_sft(model, tok, train, scfg, valid=valid or None, on_step=tracker.log_step)
     with atomic_dir(root / CHECKPOINT) as out:
         save_hf_checkpoint(out, result.model, tok, {"stage": STAGE, **cfg.model_dump()})
     last = next((h for h in reversed(result.history) if "loss" in h), {})

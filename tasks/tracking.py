@@ -119,6 +119,10 @@ class StageTracker:
             if flat:
                 mlflow.log_metrics(flat, step=step)
 
+    def log_step(self, metrics: Mapping[str, Any]) -> None:
+        """A training loop's per-step metrics (an `on_step` callback), at their "step" (0 when absent)."""
+        self.log_metrics({k: v for k, v in metrics.items() if k != "step"}, step=int(metrics.get("step", 0)))
+
     def set_tags(self, tags: Mapping[str, Any]) -> None:
         if self.enabled:
             import mlflow

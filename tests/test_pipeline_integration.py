@@ -115,6 +115,8 @@ def test_mlflow_nested_runs_with_lineage(smoke_run: dict[str, Any]) -> None:
     assert stage_runs["retrieve"].data.params["k"] == "10"
     losses = client.get_metric_history(stage_runs["retrieve"].info.run_id, "sasrec.loss")
     assert len(losses) >= 2, "per-epoch training metrics are logged"
+    rewards = client.get_metric_history(stage_runs["ar_rl"].info.run_id, "reward_mean")
+    assert sorted(m.step for m in rewards) == [1, 2], "per-step RL metrics are logged at their step"
     assert len(client.get_metric_history(stage_runs["sft"].info.run_id, "loss")) >= 2, "per-step SFT metrics are logged"
 
 
