@@ -66,8 +66,11 @@ def git_lineage(root: Path) -> dict[str, str]:
     try:
         commit = git("rev-parse", "HEAD")
         # Untracked DVC outputs are gitignored; anything else changed means the
-        # code or params that made this run are not the committed ones.
-        dirty = bool(git("status", "--porcelain", "--untracked-files=no"))
+        # code or params that made this run are not the committed ones. dvc.lock
+        # is the exception: the pipeline rewrites it stage by stage (so a run from a
+        # commit that tracks it would mark every later stage dirty), and each
+        # registered version carries its own copy (lineage/dvc.lock).
+        dirty = bool(git("status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)dvc.lock"))
     except (subprocess.CalledProcessError, FileNotFoundError):
         return {"git.commit": "unknown", "git.dirty": "unknown"}
     return {"git.commit": commit, "git.dirty": str(dirty).lower()}

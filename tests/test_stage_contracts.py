@@ -9,6 +9,7 @@ import pytest
 import yaml
 
 from tasks.common import STAGES, ParamsError, atomic_dir, load_stage_config, write_json_atomic
+from tasks.tracking import git_lineage
 
 ROOT = Path(__file__).resolve().parents[1]
 DVC = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
@@ -82,3 +83,25 @@ def test_write_json_atomic(tmp_path: Path) -> None:
         write_json_atomic({"a": object()}, path)
     assert path.read_text().strip() == '{\n  "a": 1\n}'
     assert [p.name for p in path.parent.iterdir()] == ["x.json"]
+
+
+def test_git_lineage_dirty_means_code_or_params_not_dvc_lock(tmp_path: Path) -> None:
+    """The pipeline rewrites dvc.lock while it runs: that alone must not make a version dirty."""
+    import subprocess
+
+    def git(*args: str) -> None:
+        subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path, check=True, capture_output=True)
+
+    assert git_lineage(tmp_path) == {"git.commit": "unknown", "git.dirty": "unknown"}
+    git("init", "-q")
+    (tmp_path / "dvc.lock").write_text("schema: '2.0'\n")
+    (tmp_path / "params.yaml").write_text("sft: {}\n")
+    git("add", ".")
+    git("commit", "-qm", "init")
+    clean = git_lineage(tmp_path)
+    assert len(clean["git.commit"]) == 40 and clean["git.dirty"] == "false"
+    (tmp_path / "dvc.lock").write_text("schema: '2.0'\nstages: {}\n")
+    (tmp_path / "metrics.json").write_text("{}")  # untracked outputs do not count either
+    assert git_lineage(tmp_path)["git.dirty"] == "false"
+    (tmp_path / "params.yaml").write_text("sft: {epochs: 3}\n")
+    assert git_lineage(tmp_path)["git.dirty"] == "true"
