@@ -161,6 +161,16 @@ class Trajectory:
         one token of every row it carries, so committed / forwards is tokens per forward)."""
         return len({s for s in self.steps if s >= 0})
 
+    def canvases(self, block_size: int, include_tail: bool) -> int:
+        """R: canvases a replay of this trajectory needs, the most distinct commit steps
+        among the scored tokens of any block (the sequence, plus the committed tail
+        with include_tail); 0 when nothing is scored."""
+        scored: dict[int, set[int]] = {}
+        for pos, step in enumerate(self.steps):
+            if step >= 0 and (pos < self.length or include_tail):
+                scored.setdefault(pos // block_size, set()).add(step)
+        return max((len(v) for v in scored.values()), default=0)
+
 
 def trajectories_from_decode(prompts: Sequence[Sequence[int]], out: DiffusionDecodeOutput) -> list[Trajectory]:
     """The trajectories of a `diffusion_generate(..., return_trace=True)` call, one per prompt.
@@ -241,11 +251,7 @@ def replay_columns(
     or R when <= 0); 0 when nothing is scored.
     """
     L = math.ceil(len(traj.tokens) / block_size) * block_size
-    scored: dict[int, set[int]] = {}
-    for pos, step in enumerate(traj.steps):
-        if step >= 0 and (pos < traj.length or include_tail):
-            scored.setdefault(pos // block_size, set()).add(step)
-    R = max((len(v) for v in scored.values()), default=0)
+    R = traj.canvases(block_size, include_tail)
     if R == 0:
         return 0
     chunk = R if max_copies <= 0 else max_copies

@@ -65,7 +65,6 @@ from gr2model.dapo import (
 from gr2model.diffusion_decode import diffusion_generate
 from gr2model.diffusion_replay import (
     DEFAULT_MAX_COPIES,
-    Trajectory,
     replay_columns,
     replay_logprobs,
     split_by_columns,
@@ -224,7 +223,7 @@ def train_diffusion_rl(
         metrics = _step_metrics(
             step, samples, upd, grad_norms, float(optimizer.param_groups[0]["lr"]), rollout_s, update_s, global_sum
         )
-        canvases = sum(_canvases(r.extra, block_size) for r in kept)
+        canvases = sum(r.extra.canvases(block_size, include_tail=True) for r in kept)
         tot = global_sum([*decode_tally, float(canvases), float(len(kept))])
         metrics["tokens_per_forward"] = tot[0] / max(tot[1], 1.0)
         metrics["canvases_per_rollout"] = tot[2] / max(tot[3], 1.0)
@@ -236,12 +235,3 @@ def train_diffusion_rl(
     bar.close()
     return DiffusionRLResult(model=run.finish(), history=history)
 
-
-def _canvases(traj: Trajectory, block_size: int) -> int:
-    """Canvases the replay of a rollout needs (all committed tokens scored): the most
-    distinct commit steps of any block."""
-    per_block: dict[int, set[int]] = {}
-    for pos, s in enumerate(traj.steps):
-        if s >= 0:
-            per_block.setdefault(pos // block_size, set()).add(s)
-    return max((len(v) for v in per_block.values()), default=0)

@@ -435,8 +435,6 @@ def train_opd(
     """
     accelerator = accelerator or Accelerator()
     pad_id, eos_id, mask_id, block_size = decoding_ids(student, tok)
-    if len(prompts) == 0:
-        raise ValueError("no prompts")
     if _vocab_of(teacher) != _vocab_of(student):
         raise ValueError(f"teacher vocabulary {_vocab_of(teacher)} != student's {_vocab_of(student)}")
     teacher = teacher.to(accelerator.device).eval()

@@ -193,6 +193,8 @@ def test_train_opd_checks_its_inputs(tok) -> None:
     teacher = tiny_model(tok)
     with pytest.raises(ValueError, match="block-diffusion"):
         train_opd(tiny_model(tok), teacher, tok, [[8, 9]], OPDConfig(steps=1))  # not converted
+    with pytest.raises(ValueError, match="no prompts"):
+        train_opd(convert_to_block_diffusion(tiny_model(tok), tok, 4), teacher, tok, [], OPDConfig(steps=1))
     with pytest.raises(ValueError):
         OPDConfig(kind="sideways")
 
