@@ -112,6 +112,6 @@ def lm_rerank(
         nfe += out.nfe
         seconds += out.seconds
     candidates = lists["candidates"].to_list()
-    parsed = [parse_response(t, c, items) for t, c in zip(texts, candidates, strict=True)]
+    parsed = [parse_response(t, c, items, fmt=fmt) for t, c in zip(texts, candidates, strict=True)]
     log.info("%s: %d rows, %d tokens in %.1f s (%.0f tok/s)", desc, len(parsed), gen, seconds, gen / max(seconds, 1e-9))
     return LMRerankResult(parsed, texts, gen, nfe, seconds)

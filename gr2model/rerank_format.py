@@ -29,6 +29,15 @@ Response (valid JSON once the end token is removed)::
 followed by `<|eos|>` (not part of the JSON). `"explanation"` and
 `"recommendations"` are single tokens, quote marks included; a lone `"` and
 `{ } [ ] : ,` are tokens too.
+
+Two answer formats (`FormatConfig.answer`):
+
+- `sid` (the paper's): each recommendation is a candidate's 4-token semantic id;
+- `index`: each candidate in the prompt is preceded by its incoming position,
+  `candidates : <pos_1> ITEM <pos_2> ITEM ...`, and each recommendation is one
+  position token, `[ " <pos_3> " , " <pos_1> " , ... ]`. A small model trained
+  from scratch copies one token per item far more reliably than four (measured:
+  README "The answer format"); the explanation still cites items by semantic id.
 """
 
 from __future__ import annotations
@@ -63,6 +72,9 @@ __all__ = [
     "ParsedResponse",
     "sid_token",
     "attr_token",
+    "pos_token",
+    "MAX_POSITIONS",
+    "ANSWER_FORMATS",
     "build_prompt",
     "build_response",
     "build_full_text",
@@ -100,11 +112,18 @@ RERANK_METRIC_NAMES: tuple[str, ...] = (
     "n",
 )
 
+# Position tokens <pos_1>..<pos_MAX_POSITIONS> exist in every vocabulary (the
+# index answer format names candidates by them), so switching formats never
+# changes the tokenizer.
+MAX_POSITIONS = 50
+ANSWER_FORMATS: tuple[str, ...] = ("sid", "index")
+
 # Canonical code: no sign, no leading zero (so "<a_01>" is not a second spelling of "<a_1>").
 _CODE = r"(0|[1-9][0-9]*)"
 _SID_RE = re.compile(r"\s*".join(rf"<{lvl}_{_CODE}>" for lvl in SID_LEVELS))
 _SPECIAL_RE = re.compile(r"<\|[^|\s]*\|>")
-_ID_TOKEN_RE = re.compile(r"<(?:[abcd]|attr)_[0-9]+>")
+_POS_RE = re.compile(r"<pos_([1-9][0-9]*)>")
+_ID_TOKEN_RE = re.compile(r"<(?:[abcd]|attr|pos)_[0-9]+>")
 
 
 def _canonical_explanation(text: str) -> str:
@@ -123,6 +142,13 @@ def attr_token(attribute: int) -> str:
     return f"<attr_{attribute}>"
 
 
+def pos_token(position: int) -> str:
+    """`pos_token(3) == "<pos_3>"`: the third candidate of the incoming order (1-based)."""
+    if not 1 <= position <= MAX_POSITIONS:
+        raise ValueError(f"position {position} outside 1..{MAX_POSITIONS}")
+    return f"<pos_{position}>"
+
+
 @dataclass(frozen=True)
 class FormatConfig:
     """How prompts are written.
@@ -130,13 +156,18 @@ class FormatConfig:
     history_len: keep the last this many history items (0 writes none).
     with_attributes: write each item's attributes after its semantic id.
     max_attributes: at most this many attributes per item (the first ones).
+    answer: "sid" (recommendations are semantic ids) or "index" (candidates are
+        numbered in the prompt and recommendations are position tokens).
     """
 
     history_len: int = 10
     with_attributes: bool = True
     max_attributes: int = 3
+    answer: str = "sid"
 
     def __post_init__(self) -> None:
+        if self.answer not in ANSWER_FORMATS:
+            raise ValueError(f"answer must be one of {ANSWER_FORMATS}, got {self.answer!r}")
         if self.history_len < 0:
             raise ValueError(f"history_len must be >= 0, got {self.history_len}")
         if self.max_attributes < 0:
@@ -234,7 +265,9 @@ def build_prompt(history: Sequence[int], candidates: Sequence[int], items: ItemT
     for item in kept:
         tokens += items.item_tokens(item, cfg.with_attributes, cfg.max_attributes)
     tokens += ["candidates", ":"]
-    for item in candidates:
+    for pos, item in enumerate(candidates, start=1):
+        if cfg.answer == "index":
+            tokens.append(pos_token(pos))
         tokens += items.item_tokens(item, cfg.with_attributes, cfg.max_attributes)
     tokens.append(ASSISTANT)
     return " ".join(tokens)
@@ -251,9 +284,18 @@ def _check_word(word: str) -> None:
         raise ValueError(f"explanation token {word!r} contains a special token")
 
 
-def build_response(explanation_tokens: Sequence[str], ranking: Sequence[int], items: ItemText) -> str:
+def build_response(
+    explanation_tokens: Sequence[str],
+    ranking: Sequence[int],
+    items: ItemText,
+    *,
+    fmt: FormatConfig | None = None,
+    candidates: Sequence[int] | None = None,
+) -> str:
     """The response text, without the end token:
-    `{ "explanation" : " w1 ... wn " , "recommendations" : [ " <a_..> <b_..> <c_..> <d_..> " , ... ] }`.
+    `{ "explanation" : " w1 ... wn " , "recommendations" : [ " <a_..> <b_..> <c_..> <d_..> " , ... ] }`
+    (answer "sid"), or with `" <pos_k> "` entries (answer "index": k is the
+    item's 1-based position in `candidates`, the incoming order).
 
     The ranking is written as given (not checked to be a permutation), so invalid
     answers can be built on purpose; `parse_response` is the judge.
@@ -262,14 +304,25 @@ def build_response(explanation_tokens: Sequence[str], ranking: Sequence[int], it
         ValueError: an explanation token that is empty, holds whitespace, `"`,
             a backslash or a control character, or contains a special token.
         KeyError: a ranked item without a semantic id.
+        ValueError: answer "index" without candidates, or a ranked item not among them.
     """
     for word in explanation_tokens:
         _check_word(word)
+    index = fmt is not None and fmt.answer == "index"
+    if index:
+        if candidates is None:
+            raise ValueError("the index answer format needs the candidates (incoming order)")
+        position = {int(c): k for k, c in enumerate(candidates, start=1)}
     tokens = ["{", EXPLANATION_KEY, ":", '"', *explanation_tokens, '"', ",", RECOMMENDATIONS_KEY, ":", "["]
     for i, item in enumerate(ranking):
         if i:
             tokens.append(",")
-        tokens += ['"', *items.sid_tokens(item), '"']
+        if index:
+            if int(item) not in position:
+                raise ValueError(f"ranked item {item} is not a candidate")
+            tokens += ['"', pos_token(position[int(item)]), '"']
+        else:
+            tokens += ['"', *items.sid_tokens(item), '"']
     tokens += ["]", "}"]
     return " ".join(tokens)
 
@@ -285,7 +338,7 @@ class ParsedResponse:
 
     valid_format: JSON object with exactly the keys "explanation" (a string) and
         "recommendations" (a list of strings, each exactly one well-formed 4-token
-        semantic id, whitespace-insensitive).
+        semantic id, or one `<pos_k>` token in the index format; whitespace-insensitive).
     valid_permutation: valid_format and the ids are exactly a permutation of the
         K candidates.
     ranking: the parsed ranking (item ids) if valid_permutation, else the incoming
@@ -323,8 +376,14 @@ def _no_duplicate_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:
     return out
 
 
-def parse_response(text: str, candidates: Sequence[int], items: ItemText) -> ParsedResponse:
+def parse_response(
+    text: str, candidates: Sequence[int], items: ItemText, *, fmt: FormatConfig | None = None
+) -> ParsedResponse:
     """Judge a generated response against the K candidates (incoming order).
+
+    fmt.answer says what a recommendation is: a semantic id ("sid", the default
+    when fmt is None) or a position token ("index"; `<pos_k>` with k > K is
+    "out of set").
 
     Tolerant to surrounding whitespace and to the end token: everything from the
     first `<|eos|>` on is dropped, since generation ends there (batched decoders
@@ -364,11 +423,18 @@ def parse_response(text: str, candidates: Sequence[int], items: ItemText) -> Par
         return fail("not a list", explanation=explanation)
     if not all(isinstance(r, str) for r in recs):
         return fail("not a string", explanation=explanation)
-    if not all(_SID_RE.fullmatch(r.strip()) for r in recs):
+    index = fmt is not None and fmt.answer == "index"
+    id_re = _POS_RE if index else _SID_RE
+    matches = [id_re.fullmatch(r.strip()) for r in recs]
+    if not all(matches):
         return fail("bad id", explanation=explanation)
 
     # Well-formed from here on; what remains is whether it is a permutation.
-    ids = [items.item_of_sid(r) for r in recs]
+    if index:
+        k = len(incoming)
+        ids = [incoming[p - 1] if 1 <= (p := int(m.group(1))) <= k else None for m in matches]  # type: ignore[union-attr]
+    else:
+        ids = [items.item_of_sid(r) for r in recs]
     allowed = set(incoming)
     if any(i is None or i not in allowed for i in ids):
         return fail("out of set", valid_format=True, explanation=explanation)

@@ -507,6 +507,13 @@ class TeacherConfig:
     target_tokens: explanation length to aim for (whitespace tokens).
     seed: base seed; each example draws from its own (seed, user_id, position)
         stream, so a trace does not depend on which other examples are generated.
+    rest_order: what follows the first item of a kept ranking: "sampled" (the
+        rest of the sampled or teacher ranking) or "incoming" (the other
+        candidates in the incoming order). Rejection sampling at temperature 1
+        leaves positions 2..K close to random, which a small student learns as
+        "any order", repeats included; "incoming" makes the answer one decision
+        (which item to promote) plus a copy, and keeps the pre-ranker's order
+        where the teacher has nothing better to say.
     """
 
     mode: Literal["rejection", "targeted"] = "rejection"
@@ -514,6 +521,7 @@ class TeacherConfig:
     temperature: float = 1.0
     target_tokens: int = 130
     seed: int = 0
+    rest_order: Literal["sampled", "incoming"] = "sampled"
 
     def __post_init__(self) -> None:
         if self.mode not in ("rejection", "targeted"):
@@ -524,6 +532,8 @@ class TeacherConfig:
             raise ValueError(f"temperature must be > 0, got {self.temperature}")
         if self.target_tokens < 1:
             raise ValueError(f"target_tokens must be >= 1, got {self.target_tokens}")
+        if self.rest_order not in ("sampled", "incoming"):
+            raise ValueError(f"rest_order must be 'sampled' or 'incoming', got {self.rest_order!r}")
 
 
 def _fit_conditional_logit(z: np.ndarray, y: np.ndarray, l2: float, mask: np.ndarray) -> tuple[np.ndarray, float]:
@@ -1020,13 +1030,15 @@ def generate_traces(
                 if sample[0] == target:
                     ranking = sample
                     break
+        if ranking and cfg.rest_order == "incoming":
+            ranking = [ranking[0]] + [c for c in cands if c != ranking[0]]
         prompt = build_prompt(history, cands, items, fmt)
         response = ""
         if ranking:
             expl = teacher.explain(
                 history, cands, ranking, rng, cand_scores=cand_scores, fold=fold, target_tokens=cfg.target_tokens
             )
-            response = build_response(expl, ranking, items)
+            response = build_response(expl, ranking, items, fmt=fmt, candidates=cands)
             expl_lens.append(len(expl))
             resp_lens.append(len(response.split()))
         records.append(TraceRecord(user_id, position, prompt, response, ranking, target, bool(ranking), tried))

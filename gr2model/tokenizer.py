@@ -28,6 +28,7 @@ from gr2model.rerank_format import (
     BOS,
     EOS,
     EXPLANATION_KEY,
+    MAX_POSITIONS,
     JSON_TOKENS,
     MASK,
     PAD,
@@ -38,6 +39,7 @@ from gr2model.rerank_format import (
     UNK,
     USER,
     attr_token,
+    pos_token,
     sid_token,
 )
 
@@ -70,7 +72,9 @@ def _table_codes(items: pl.DataFrame) -> tuple[list[int], int]:
 def format_tokens(items: pl.DataFrame, *, max_sid_code: int = 255) -> list[str]:
     """Every non-special token of the format, in vocabulary order: JSON tokens,
     prompt words, `<a_0>`..`<a_{max_sid_code}>` (same for b and c),
-    `<d_0>`..`<d_{max_d}>`, `<attr_1>`..`<attr_{max_attr}>`.
+    `<d_0>`..`<d_{max_d}>`, `<attr_1>`..`<attr_{max_attr}>`, `<pos_1>`..`<pos_50>`
+    (the index answer format's position tokens; always present so both answer
+    formats share one vocabulary).
 
     max_d is the larger of max_sid_code and the table's largest d code (the d
     level is a collision code that may exceed the codebook size); sizing it no
@@ -89,6 +93,7 @@ def format_tokens(items: pl.DataFrame, *, max_sid_code: int = 255) -> list[str]:
         tokens += [sid_token(lvl, c) for c in range(max_sid_code + 1)]
     tokens += [sid_token(SID_LEVELS[-1], c) for c in range(max(max_sid_code, level_max[-1]) + 1)]
     tokens += [attr_token(a) for a in range(1, max_attr + 1)]
+    tokens += [pos_token(k) for k in range(1, MAX_POSITIONS + 1)]
     return tokens
 
 

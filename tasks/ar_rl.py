@@ -58,7 +58,9 @@ def training_prompts(root: Path, fmt: FormatConfig, items: ItemText, max_prompts
     return lists.with_columns(pl.Series("prompt", prompts_of(lists, items, fmt)))
 
 
-def make_reward_fn(tok: Any, examples: pl.DataFrame, items: ItemText, rcfg: RewardConfig) -> RewardFn:
+def make_reward_fn(
+    tok: Any, examples: pl.DataFrame, items: ItemText, rcfg: RewardConfig, fmt: FormatConfig | None = None
+) -> RewardFn:
     """The conditional verifiable reward of a completion of training prompt i (ar_rl, opd monitoring, rl).
 
     Info logged per step: format (valid JSON in the answer format), valid (a valid
@@ -68,7 +70,7 @@ def make_reward_fn(tok: Any, examples: pl.DataFrame, items: ItemText, rcfg: Rewa
     targets = examples["target"].to_list()
 
     def reward_fn(i: int, completion: list[int]) -> tuple[float, dict[str, float]]:
-        parsed = parse_response(tok.decode(completion, skip_special_tokens=False), candidates[i], items)
+        parsed = parse_response(tok.decode(completion, skip_special_tokens=False), candidates[i], items, fmt=fmt)
         info = {
             "format": float(parsed.valid_format),
             "valid": float(parsed.valid_permutation),
@@ -95,9 +97,10 @@ def rewarded_prompts(root: Path, tok: Any, max_prompts: int, rcfg: RewardConfig)
     """The training prompts an RL-style stage draws from (token ids), and the reward of a completion of prompt i."""
     ds, _ = load_prepared(root / PREPARED)
     items = ItemText(ds.items)
-    examples = training_prompts(root, load_format(root), items, max_prompts)
+    fmt = load_format(root)
+    examples = training_prompts(root, fmt, items, max_prompts)
     prompts = [tok(p, add_special_tokens=False)["input_ids"] for p in examples["prompt"].to_list()]
-    return prompts, make_reward_fn(tok, examples, items, rcfg)
+    return prompts, make_reward_fn(tok, examples, items, rcfg, fmt)
 
 
 def run(cfg: ArRlConfig, root: Path, log: logging.Logger, tracker: StageTracker) -> dict[str, Any]:

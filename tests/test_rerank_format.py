@@ -250,3 +250,51 @@ def test_rerank_metrics_empty_and_mismatch() -> None:
     assert m["n"] == 0 and all(v == 0 for v in m.values())
     with pytest.raises(ValueError):
         rerank_metrics([], [1])
+
+
+# ------------------------------------------------------------ index answer format
+
+INDEX = FormatConfig(history_len=2, with_attributes=False, answer="index")
+
+
+def test_index_prompt_numbers_the_candidates(items: ItemText) -> None:
+    p = build_prompt([1, 2], [5, 3], items, INDEX)
+    assert p == f"<|user|> history : {sid(1)} {sid(2)} candidates : <pos_1> {sid(5)} <pos_2> {sid(3)} <|assistant|>"
+
+
+@pytest.mark.parametrize("ranking", [[9, 3, 7, 5], [3, 5, 7, 9], [5, 3, 9, 7]])
+def test_index_response_round_trips(items: ItemText, ranking: list[int]) -> None:
+    words = ["first", "<a_9>", "<b_19>", "<c_29>", "<d_0>", "because"]
+    text = build_response(words, ranking, items, fmt=INDEX, candidates=CANDS)
+    positions = [CANDS.index(r) + 1 for r in ranking]
+    assert json.loads(text)["recommendations"] == [f" <pos_{k}> " for k in positions]
+    p = parse_response(f"{text} {EOS}", CANDS, items, fmt=INDEX)
+    assert p == ParsedResponse(True, True, ranking, " ".join(words), "", ranking == CANDS)
+    # The same text judged as the sid format is not a well-formed answer.
+    assert parse_response(text, CANDS, items).error == "bad id"
+
+
+@pytest.mark.parametrize(
+    "recs, error, valid_format",
+    [
+        (["<pos_1>", "<pos_2>", "<pos_3>", "<pos_5>"], "out of set", True),  # K = 4
+        (["<pos_1>", "<pos_1>", "<pos_2>", "<pos_3>"], "duplicate", True),
+        (["<pos_1>", "<pos_2>", "<pos_3>"], "missing candidate", True),
+        (["<pos_1>", "<pos_2>", "<pos_3>", "<pos_4>", "<pos_1>"], "too many", True),
+        (["<pos_0>", "<pos_2>", "<pos_3>", "<pos_4>"], "bad id", False),
+        (["<pos_01>", "<pos_2>", "<pos_3>", "<pos_4>"], "bad id", False),
+        ([sid(3), "<pos_2>", "<pos_3>", "<pos_4>"], "bad id", False),
+    ],
+)
+def test_index_parser_is_strict(items: ItemText, recs: list[str], error: str, valid_format: bool) -> None:
+    p = parse_response(resp(recs), CANDS, items, fmt=INDEX)
+    assert (p.error, p.valid_format, p.valid_permutation, p.ranking) == (error, valid_format, False, CANDS)
+
+
+def test_index_response_needs_the_candidates(items: ItemText) -> None:
+    with pytest.raises(ValueError, match="candidates"):
+        build_response(["x"], [3, 5], items, fmt=INDEX)
+    with pytest.raises(ValueError, match="not a candidate"):
+        build_response(["x"], [3, 4], items, fmt=INDEX, candidates=[3, 5])
+    with pytest.raises(ValueError, match="answer"):
+        FormatConfig(answer="json")

@@ -59,8 +59,8 @@ def test_vocabulary_layout(tok: PreTrainedTokenizerFast, table: pl.DataFrame) ->
     assert [vocab[s] for s in SPECIAL_TOKENS] == list(range(7))
     assert special_ids(tok) == {"pad": 0, "bos": 2, "eos": 3, "user": 4, "assistant": 5, "mask": 6}
     assert (tok.pad_token_id, tok.eos_token_id, tok.mask_token_id, tok.unk_token_id) == (0, 3, 6, 1)
-    # 9 JSON tokens + 4 prompt words + 3 x 256 codes + d codes 0..300 + attributes 1..15 + 9 words.
-    assert len(tok) == 7 + 9 + 4 + 3 * 256 + 301 + 15 + len(WORDS)
+    # 9 JSON tokens + 4 prompt words + 3 x 256 codes + d codes 0..300 + attributes 1..15 + 50 positions + 9 words.
+    assert len(tok) == 7 + 9 + 4 + 3 * 256 + 301 + 15 + 50 + len(WORDS)
     for t in ['"explanation"', '"recommendations"', '"', "<a_255>", "<d_300>", "<attr_15>", "history", "("]:
         assert t in vocab, t
     assert "<attr_16>" not in vocab and "<attr_0>" not in vocab
@@ -117,7 +117,7 @@ def test_real_beauty_items_round_trip() -> None:
         {"item_id": ids, "sid": [sids[str(i)] for i in ids], "attributes": [attrs[str(i)] for i in ids]}, schema=SCHEMA
     )
     tok = build_tokenizer(table, WORDS)
-    assert len(tok) == 7 + 9 + 4 + 4 * 256 + 637 + len(WORDS)
+    assert len(tok) == 7 + 9 + 4 + 4 * 256 + 637 + 50 + len(WORDS)
     items = ItemText(table)
     rng = random.Random(0)
     for _ in range(20):
@@ -155,7 +155,7 @@ def bpe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_extend_pretrained_tokenizer(bpe_dir: Path, table: pl.DataFrame, tmp_path: Path) -> None:
     base_size = len(AutoTokenizer.from_pretrained(bpe_dir))
     tok = extend_pretrained_tokenizer(bpe_dir, table)
-    assert len(tok) == base_size + len(SPECIAL_TOKENS) + 2 + 3 * 256 + 301 + 15
+    assert len(tok) == base_size + len(SPECIAL_TOKENS) + 2 + 3 * 256 + 301 + 15 + 50
     ids = special_ids(tok)
     assert tok.eos_token_id == ids["eos"] and tok.pad_token_id == ids["pad"] and tok.mask_token_id == ids["mask"]
     singles = ["<a_0>", "<a_255>", "<b_7>", "<c_200>", "<d_300>", "<attr_1>", "<attr_15>", '"explanation"']
