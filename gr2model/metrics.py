@@ -89,3 +89,50 @@ def target_rank_full(
             s[i, np.asarray(hist, dtype=np.int64)] = -np.inf
     s[rows, targets] = -np.inf
     return (s >= target_scores[:, None]).sum(axis=1).astype(np.int64)
+
+
+def per_example_gain(ranks: np.ndarray, metric: str) -> np.ndarray:
+    """(n,) float: each example's contribution to `metric` ("recall@k" or "ndcg@k"),
+    so that its mean is `recall_at_k` / `ndcg_at_k` (what a bootstrap resamples).
+
+    Args:
+        ranks: (n,) int, 0-based rank of the target, -1 when absent.
+    """
+    kind, _, k_text = metric.partition("@")
+    k = int(k_text)
+    hit = (ranks >= 0) & (ranks < k)
+    if kind == "recall":
+        return hit.astype(np.float64)
+    if kind == "ndcg":
+        return np.where(hit, 1.0 / np.log2(np.maximum(ranks, 0) + 2.0), 0.0)
+    raise ValueError(f"unknown metric {metric!r}: expected recall@k or ndcg@k")
+
+
+def bootstrap_ci(
+    values: np.ndarray, *, baseline: np.ndarray | None = None, n_boot: int = 2000, seed: int = 0, level: float = 0.95
+) -> tuple[float, float]:
+    """Percentile bootstrap interval of mean(values), or of the paired difference
+    mean(values - baseline) when `baseline` is given (the same resampled examples
+    for both, so what two re-rankers share cancels out).
+
+    Args:
+        values, baseline: (n,) float per-example scores (`per_example_gain`).
+    Returns:
+        (lo, hi); (nan, nan) for no examples.
+    """
+    x = np.asarray(values, dtype=np.float64)
+    if baseline is not None:
+        b = np.asarray(baseline, dtype=np.float64)
+        if b.shape != x.shape:
+            raise ValueError(f"paired bootstrap needs equal shapes, got {x.shape} and {b.shape}")
+        x = x - b
+    if x.size == 0:
+        return (float("nan"), float("nan"))
+    rng = np.random.default_rng(seed)
+    # (n_boot, n) index draws in chunks keep memory bounded for large n.
+    means = np.concatenate(
+        [x[rng.integers(0, x.size, size=(min(500, n_boot - s), x.size))].mean(axis=1) for s in range(0, n_boot, 500)]
+    )
+    alpha = (1.0 - level) / 2.0
+    lo, hi = np.quantile(means, [alpha, 1.0 - alpha])
+    return (float(lo), float(hi))

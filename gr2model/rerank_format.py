@@ -80,6 +80,7 @@ __all__ = [
     "build_full_text",
     "parse_response",
     "rerank_metrics",
+    "target_ranks",
 ]
 
 PAD = "<|pad|>"
@@ -452,6 +453,23 @@ def parse_response(
     return ParsedResponse(True, True, ranking, explanation, "", ranking == incoming)
 
 
+def target_ranks(parsed: Sequence[ParsedResponse], targets: Sequence[int]) -> np.ndarray:
+    """(n,) int64: 0-based rank of each target in its response's `ranking` (the
+    fallback for an invalid answer), -1 when absent; per-example scores and
+    bootstrap intervals start from it (`gr2model.metrics.per_example_gain`)."""
+    if len(parsed) != len(targets):
+        raise ValueError(f"{len(parsed)} responses but {len(targets)} targets")
+    n = len(parsed)
+    width = max((len(p.ranking) for p in parsed), default=0)
+    # Pad ragged lists with -1, never an item id, so one (n, K) array serves.
+    lists = np.full((n, width), -1, dtype=np.int64)
+    for row, p in enumerate(parsed):
+        lists[row, : len(p.ranking)] = p.ranking
+    target_ids = np.asarray(targets, dtype=np.int64).reshape(n)
+    # argmax has nothing to reduce over an empty axis (no responses, or K = 0).
+    return rank_in_lists(lists, target_ids) if width and n else np.full(n, -1, dtype=np.int64)
+
+
 def rerank_metrics(parsed: Sequence[ParsedResponse], targets: Sequence[int]) -> dict[str, float]:
     """Accuracy and validity of judged responses (the `metrics/evaluate.json` names).
 
@@ -466,18 +484,8 @@ def rerank_metrics(parsed: Sequence[ParsedResponse], targets: Sequence[int]) -> 
         valid_permutation_rate, copy_incoming_rate (shares in [0, 1]) and n;
         all zeros (n = 0) for no responses.
     """
-    if len(parsed) != len(targets):
-        raise ValueError(f"{len(parsed)} responses but {len(targets)} targets")
     n = len(parsed)
-    width = max((len(p.ranking) for p in parsed), default=0)
-    # Pad ragged lists with -1, never an item id, so one (n, K) array serves.
-    lists = np.full((n, width), -1, dtype=np.int64)
-    for row, p in enumerate(parsed):
-        lists[row, : len(p.ranking)] = p.ranking
-    target_ids = np.asarray(targets, dtype=np.int64).reshape(n)
-    # argmax has nothing to reduce over an empty axis (no responses, or K = 0).
-    ranks = rank_in_lists(lists, target_ids) if width and n else np.full(n, -1, dtype=np.int64)
-    out = ranking_metrics(ranks, (1, 3, 5), (3, 5))
+    out = ranking_metrics(target_ranks(parsed, targets), (1, 3, 5), (3, 5))
 
     def rate(flags: list[bool]) -> float:
         return float(np.mean(flags)) if flags else 0.0

@@ -35,7 +35,8 @@ from gr2model.block_diffusion import block_diffusion_settings, convert_to_block_
 from gr2model.checkpoint import load_hf_checkpoint
 from gr2model.data import load_prepared
 from gr2model.rerank_eval import decoder_kwargs, fixed_rankings, lm_rerank, random_rankings, rerank_examples
-from gr2model.rerank_format import RERANK_METRIC_NAMES, ItemText, rerank_metrics
+from gr2model.metrics import bootstrap_ci, per_example_gain
+from gr2model.rerank_format import RERANK_METRIC_NAMES, ItemText, ParsedResponse, rerank_metrics, target_ranks
 from gr2model.teacher import ExpertTeacher
 from tasks.traces import load_format
 from tasks.common import StageConfig, stage_main, timed, write_json_atomic, write_text_atomic
@@ -60,7 +61,9 @@ DIFFUSION_MODELS: dict[str, Path] = {
 }
 # The paper's ablation: each row adds one stage to the one before it.
 ABLATION = ("prerank", "gr2", NAIVE, *DIFFUSION_MODELS)
-ABLATION_METRICS = ("recall@1", "recall@3", "ndcg@3", "valid_format_rate", "valid_permutation_rate")
+ABLATION_METRICS = ("recall@1", "recall@3", "ndcg@3", "valid_format_rate", "valid_permutation_rate", "copy_incoming_rate")
+# Metrics that get a bootstrap interval and paired differences (the contract in ARCHITECTURE.md).
+CI_METRICS = ("recall@1", "ndcg@3")
 
 
 class BenchParams(StageConfig):
@@ -76,6 +79,7 @@ class EvaluateConfig(StageConfig):
     max_new_tokens: int = 320
     max_examples: int = 0  # per split; 0 = every re-ranking example
     seed: int = 0
+    bootstrap: int = 2000  # resamples of the examples for every interval (paired for differences)
     tau: float = 0.9  # commit threshold of the diffusion decoder in the accuracy table
     naive_block_size: int = 32  # block size of dgr2-naive when no diffusion checkpoint says otherwise
     bench: BenchParams = BenchParams()
@@ -119,14 +123,66 @@ def diffusion_models(root: Path, naive_block_size: int) -> dict[str, Any]:
     return {NAIVE: (convert_to_block_diffusion(gr2, tok, block_size), tok), **found}
 
 
-def _decode_eval(name: str, model: Any, tok: Any, df: pl.DataFrame, items: ItemText, fmt: Any, cfg: EvaluateConfig) -> dict[str, float]:
-    """Decode one split with the model's decoder (AR or threshold diffusion) and score it."""
+def scored(parsed: Sequence[ParsedResponse], targets: Sequence[int]) -> tuple[dict[str, float], np.ndarray]:
+    """(the metrics of `rerank_metrics`, (n,) per-example target ranks for the intervals)."""
+    return rerank_metrics(parsed, targets), target_ranks(parsed, targets)
+
+
+def add_intervals(
+    results: dict[str, dict[str, dict[str, Any]]], ranks: dict[str, dict[str, np.ndarray]], *, n_boot: int, seed: int
+) -> None:
+    """Add `<metric>_ci95` ([lo, hi], bootstrap over examples) for every model and
+    split, paired `<metric>_vs_prerank` for every model but prerank, and
+    `<metric>_vs_gr2` for the diffusion models ({"diff": d, "ci95": [lo, hi]}),
+    for each metric of CI_METRICS. Every model of a split was scored on the same
+    examples in the same order, which is what pairing needs."""
+    diffusion = {NAIVE, *DIFFUSION_MODELS}
+    for model, by_split in ranks.items():
+        for split, r in by_split.items():
+            m = results[model][split]
+            for metric in CI_METRICS:
+                gain = per_example_gain(r, metric)
+                m[f"{metric}_ci95"] = list(bootstrap_ci(gain, n_boot=n_boot, seed=seed))
+                refs = ["prerank"] if model != "prerank" else []
+                if model in diffusion and "gr2" in ranks:
+                    refs.append("gr2")
+                for ref in refs:
+                    base = per_example_gain(ranks[ref][split], metric)
+                    lo, hi = bootstrap_ci(gain, baseline=base, n_boot=n_boot, seed=seed)
+                    m[f"{metric}_vs_{ref}"] = {"diff": float(gain.mean() - base.mean()), "ci95": [lo, hi]}
+
+
+def ablation_table(results: dict[str, dict[str, dict[str, Any]]], split: str) -> str:
+    """The ablation rows (ABLATION order) of one split: metrics, R@1 and NDCG@3 with
+    their 95% intervals and their paired differences to the pre-rank order."""
+    head = [*ABLATION_METRICS, "R@1 95% CI", "R@1 - prerank [95% CI]", "NDCG@3 - prerank [95% CI]", "n"]
+    lines = [f"| model | {' | '.join(head)} |", f"|---|{'---|' * len(head)}"]
+
+    def diff(m: dict[str, Any], key: str) -> str:
+        d = m.get(key)
+        return f"{d['diff']:+.4f} [{d['ci95'][0]:+.4f}, {d['ci95'][1]:+.4f}]" if d else "-"
+
+    for model in ABLATION:
+        m = results.get(model, {}).get(split)
+        if m is None:
+            continue
+        ci = m.get("recall@1_ci95")
+        cells = [f"{m[c]:.4f}" for c in ABLATION_METRICS]
+        cells += [f"[{ci[0]:.4f}, {ci[1]:.4f}]" if ci else "-", diff(m, "recall@1_vs_prerank"), diff(m, "ndcg@3_vs_prerank"), str(int(m["n"]))]
+        lines.append(f"| {model} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _decode_eval(
+    name: str, model: Any, tok: Any, df: pl.DataFrame, items: ItemText, fmt: Any, cfg: EvaluateConfig
+) -> tuple[dict[str, float], np.ndarray]:
+    """Decode one split with the model's decoder (AR or threshold diffusion); its metrics and per-example ranks."""
     kwargs = decoder_kwargs(model, cfg.tau)
     out = lm_rerank(model, tok, df, items, fmt, batch_size=cfg.batch_size, max_new_tokens=cfg.max_new_tokens, desc=name, **kwargs)
-    m = rerank_metrics(out.parsed, df["target"].to_list())
+    m, ranks = scored(out.parsed, df["target"].to_list())
     m["tokens_per_s"] = out.generated_tokens / max(out.seconds, 1e-9)
     m["response_tokens"] = out.generated_tokens / max(len(out.parsed), 1)
-    return m
+    return m, ranks
 
 
 def run_bench(cfg: EvaluateConfig, root: Path, log: logging.Logger, models: dict[str, Any] | None = None) -> list[dict[str, Any]]:
@@ -169,19 +225,25 @@ def run(cfg: EvaluateConfig, root: Path, log: logging.Logger, tracker: StageTrac
     for name in cfg.splits:
         df = rerank_examples(pl.read_parquet(root / CANDIDATES / f"{name}.parquet"))
         lists[name] = df.head(cfg.max_examples) if cfg.max_examples else df
-    results: dict[str, dict[str, dict[str, float]]] = {"prerank": {}, "teacher": {}, "random": {}}
+    results: dict[str, dict[str, dict[str, Any]]] = {"prerank": {}, "teacher": {}, "random": {}}
+    ranks: dict[str, dict[str, np.ndarray]] = {"prerank": {}, "teacher": {}, "random": {}}
     for name, df in lists.items():
         incoming = df["candidates"].to_list()
         targets = df["target"].to_list()
-        results["prerank"][name] = rerank_metrics(fixed_rankings(incoming, incoming), targets)
-        results["teacher"][name] = rerank_metrics(fixed_rankings(teacher_rankings(teacher, df), incoming), targets)
-        results["random"][name] = rerank_metrics(fixed_rankings(random_rankings(incoming, cfg.seed), incoming), targets)
+        baselines = {
+            "prerank": incoming,
+            "teacher": teacher_rankings(teacher, df),
+            "random": random_rankings(incoming, cfg.seed),
+        }
+        for baseline, rankings in baselines.items():
+            results[baseline][name], ranks[baseline][name] = scored(fixed_rankings(rankings, incoming), targets)
 
     def evaluate_model(model_name: str, model: Any, tok: Any) -> None:
-        results[model_name] = {}
+        results[model_name], ranks[model_name] = {}, {}
         for name, df in lists.items():
             with timed(log, f"{model_name} on {name} ({df.height} examples)", timings, f"{model_name}_{name}_s"):
-                results[model_name][name] = m = _decode_eval(model_name, model, tok, df, items, fmt, cfg)
+                results[model_name][name], ranks[model_name][name] = _decode_eval(model_name, model, tok, df, items, fmt, cfg)
+            m = results[model_name][name]
             log.info("%s %s: %s", model_name, name, {k: round(v, 4) for k, v in m.items()})
 
     for model_name, ckpt in AR_MODELS.items():
@@ -195,9 +257,13 @@ def run(cfg: EvaluateConfig, root: Path, log: logging.Logger, tracker: StageTrac
     for model_name, (model, tok) in models.items():
         evaluate_model(model_name, model, tok)
 
+    with timed(log, f"bootstrap intervals ({cfg.bootstrap} resamples, paired differences)", timings, "bootstrap_s"):
+        add_intervals(results, ranks, n_boot=cfg.bootstrap, seed=cfg.seed)
     report = "\n\n".join(f"## {s}\n\n{markdown_table(results, s)}" for s in cfg.splits)
-    ablation_split = "test" if "test" in cfg.splits else cfg.splits[-1]
-    ablation = f"## Ablation ({ablation_split}, diffusion at tau {cfg.tau})\n\n{markdown_table(results, ablation_split, ABLATION, ABLATION_METRICS)}"
+    ablation = "\n\n".join(
+        f"## Ablation ({s}, diffusion at tau {cfg.tau}; intervals: {cfg.bootstrap} bootstrap resamples, paired)\n\n{ablation_table(results, s)}"
+        for s in cfg.splits
+    )
     write_text_atomic(f"# Re-ranking evaluation\n\n{ablation}\n\n{report}\n", root / REPORT)
     tracker.log_artifact(root / REPORT)
     if models:
