@@ -47,6 +47,7 @@ __all__ = [
     "weighted_lm_loss",
     "warmup_cosine_factor",
     "run_train_loop",
+    "LengthGroupedBatches",
     "train_sft",
 ]
 
@@ -333,6 +334,40 @@ def _valid_stats(
     return accelerator.reduce(stats, reduction="sum")
 
 
+class LengthGroupedBatches:
+    """Batch sampler of examples of similar length, in a seeded random order (HF's `group_by_length`).
+
+    Each pass: shuffle the indices, cut them into megabatches of `batch_size *
+    group` examples, sort each megabatch by length (longest first), cut it into
+    batches, shuffle the batches. Right padding then wastes little (random
+    batches of mid-training sequences, 3 to 200 items long, are ~2.8x padding).
+    The order is a function of (seed, pass number) only, so every process of a
+    distributed run iterates the same batches (accelerate shards them).
+    """
+
+    def __init__(self, lengths: Sequence[int], batch_size: int, seed: int, group: int = 64) -> None:
+        self.lengths = list(lengths)
+        self.batch_size = batch_size
+        self.seed = seed
+        self.group = group
+        self._epoch = 0
+
+    def __len__(self) -> int:
+        return math.ceil(len(self.lengths) / self.batch_size)
+
+    def __iter__(self):
+        g = torch.Generator().manual_seed(self.seed * 100_003 + self._epoch)
+        self._epoch += 1
+        order = torch.randperm(len(self.lengths), generator=g).tolist()
+        mega = self.batch_size * self.group
+        batches = []
+        for start in range(0, len(order), mega):
+            chunk = sorted(order[start : start + mega], key=lambda i: -self.lengths[i])
+            batches += [chunk[j : j + self.batch_size] for j in range(0, len(chunk), self.batch_size)]
+        for b in torch.randperm(len(batches), generator=g).tolist():
+            yield batches[b]
+
+
 class LoopConfig(Protocol):
     """What `run_train_loop` reads of a trainer's config (SFTConfig, CFTConfig)."""
 
@@ -357,6 +392,7 @@ def run_train_loop(
     valid_every: int = 0,
     on_step: Callable[[dict[str, float]], None] | None = None,
     desc: str = "train",
+    lengths: Sequence[int] | None = None,
 ) -> tuple[PreTrainedModel, list[dict[str, float]], int]:
     """The accelerate training loop shared by `train_sft` and `gr2model.cft.train_cft`.
 
@@ -372,19 +408,27 @@ def run_train_loop(
     processes); it runs every `valid_every` steps (0: never) and after each epoch
     unless a step validation just ran, its metrics prefixed "valid_".
 
+    lengths: the examples' lengths; when given, batches group examples of
+    similar length (`LengthGroupedBatches`) instead of a plain shuffle.
+
     Returns:
         (the trained model, unwrapped, in eval mode; the history of emitted
         metrics, empty off the main process; the number of optimizer steps).
     """
     # A seeded generator makes the shuffle order a function of cfg.seed;
     # accelerate syncs this generator's state across processes every epoch.
-    loader = DataLoader(
-        dataset,
-        batch_size=cfg.batch_size,
-        shuffle=True,
-        generator=torch.Generator().manual_seed(cfg.seed),
-        collate_fn=collate_fn,
-    )
+    if lengths is not None:
+        loader = DataLoader(
+            dataset, batch_sampler=LengthGroupedBatches(lengths, cfg.batch_size, cfg.seed), collate_fn=collate_fn
+        )
+    else:
+        loader = DataLoader(
+            dataset,
+            batch_size=cfg.batch_size,
+            shuffle=True,
+            generator=torch.Generator().manual_seed(cfg.seed),
+            collate_fn=collate_fn,
+        )
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     model.train()
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)

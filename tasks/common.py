@@ -26,6 +26,7 @@ STAGES: tuple[str, ...] = (
     "prepare",
     "retrieve",
     "traces",
+    "midtrain",
     "sft",
     "ar_rl",
     "trajectories",

@@ -37,6 +37,7 @@ from gr2model.data import load_prepared
 from gr2model.rerank_eval import decoder_kwargs, fixed_rankings, lm_rerank, random_rankings, rerank_examples
 from gr2model.metrics import bootstrap_ci, per_example_gain
 from gr2model.rerank_format import RERANK_METRIC_NAMES, ItemText, ParsedResponse, rerank_metrics, target_ranks
+from gr2model.ltr_teacher import LTRConfig, LTRTeacher
 from gr2model.teacher import ExpertTeacher
 from tasks.traces import load_format
 from tasks.common import StageConfig, stage_main, timed, write_json_atomic, write_text_atomic
@@ -88,7 +89,22 @@ class EvaluateConfig(StageConfig):
 CONFIG = EvaluateConfig
 
 
-def teacher_rankings(teacher: ExpertTeacher, lists: pl.DataFrame) -> list[list[int]]:
+def load_teacher(root: Path, items_table: pl.DataFrame, train_seqs: list[list[int]], num_items: int) -> ExpertTeacher | LTRTeacher:
+    """The teacher `traces` wrote (data/traces/teacher.json, and teacher_ltr.txt for the LTR teacher)."""
+    path = root / TRACES / "teacher.json"
+    info = json.loads(path.read_text())
+    expert = ExpertTeacher(items_table, train_seqs, num_items)
+    expert.set_weights(info["weights"], info["evidence_weights"])
+    if info.get("teacher", "linear") == "linear":
+        return expert
+    if "ltr" not in info:
+        raise ValueError(f"{path}: teacher {info['teacher']!r} without its 'ltr' section")
+    teacher = LTRTeacher(expert, LTRConfig(**info["ltr"]["config"]))
+    teacher.load_model_text((root / TRACES / info["ltr"]["model"]).read_text())
+    return teacher
+
+
+def teacher_rankings(teacher: ExpertTeacher | LTRTeacher, lists: pl.DataFrame) -> list[list[int]]:
     """The teacher's ranking of each list from its scores alone (it does not see the target)."""
     out = []
     for hist, cands, scores in zip(lists["history"].to_list(), lists["candidates"].to_list(), lists["cand_scores"].to_list(), strict=True):
@@ -217,9 +233,7 @@ def run(cfg: EvaluateConfig, root: Path, log: logging.Logger, tracker: StageTrac
     ds, split = load_prepared(root / PREPARED)
     items = ItemText(ds.items)
     fmt = load_format(root)
-    teacher_cfg = json.loads((root / TRACES / "teacher.json").read_text())
-    teacher = ExpertTeacher(ds.items, split["train"].to_list(), ds.num_items)
-    teacher.set_weights(teacher_cfg["weights"], teacher_cfg["evidence_weights"])
+    teacher = load_teacher(root, ds.items, split["train"].to_list(), ds.num_items)
 
     lists = {}
     for name in cfg.splits:

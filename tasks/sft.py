@@ -1,10 +1,10 @@
 """Stage `sft`: train the AR re-ranker (a Qwen3-style causal LM) on the teacher's traces.
 
-Builds the word-level tokenizer (semantic-id, attribute, special and trace
-tokens) or extends a local pretrained one, builds the model from the small
-config in params (or loads `model.pretrained_path`), trains with a loss on the
-response only, reasoning and ranking tokens weighted separately, and saves a
-`save_pretrained` checkpoint (model, tokenizer, stage config, marker last).
+Starts from the mid-trained `checkpoints/gr2-base` (model and tokenizer, written
+by the `midtrain` stage, which owns the model size and `pretrained_path`),
+trains with a loss on the response only, reasoning and ranking tokens weighted
+separately, and saves a `save_pretrained` checkpoint (model, tokenizer, stage
+config, marker last).
 
     python -m tasks.sft
 """
@@ -20,17 +20,14 @@ from typing import Any
 import polars as pl
 import torch
 
-from gr2model.ar_model import ARModelConfig, build_ar_model, count_parameters
-from gr2model.checkpoint import save_hf_checkpoint
-from gr2model.data import load_prepared
+from gr2model.ar_model import count_parameters
+from gr2model.checkpoint import load_hf_checkpoint, read_stage_config, save_hf_checkpoint
 from gr2model.sft import SFTConfig, train_sft
-from gr2model.teacher import TRACE_WORDS
-from gr2model.tokenizer import build_tokenizer, extend_pretrained_tokenizer, special_ids
 from tasks.common import StageConfig, atomic_dir, stage_main, timed
 from tasks.tracking import StageTracker
 
 STAGE = "sft"
-PREPARED = Path("data/prepared")
+BASE = Path("checkpoints/gr2-base")  # the mid-trained model (stage `midtrain`)
 TRACES = Path("data/traces")
 CHECKPOINT = Path("checkpoints/gr2-sft")
 METRICS = Path("metrics/sft.json")
@@ -39,7 +36,7 @@ METRICS = Path("metrics/sft.json")
 class SftStageConfig(StageConfig):
     seed: int = 0  # model initialisation and the train/valid split
     # The library's configs are the params schema (unknown keys and bad values name the field).
-    model: ARModelConfig = ARModelConfig(hidden_size=128, num_layers=2, intermediate_size=384)
+    # The model (size, pretrained_path) comes from checkpoints/gr2-base: see `midtrain.model`.
     train: SFTConfig = SFTConfig(epochs=2, lr=2e-3)
     valid_fraction: float = 0.05  # traces held out for a validation loss
     max_examples: int = 0  # 0 = every kept trace
@@ -48,19 +45,11 @@ class SftStageConfig(StageConfig):
 CONFIG = SftStageConfig
 
 
-def build_tokenizer_for(ds_items: pl.DataFrame, pretrained_path: str | None):
-    """Our word-level tokenizer, or the local pretrained one extended with the format's tokens."""
-    if pretrained_path:
-        return extend_pretrained_tokenizer(pretrained_path, ds_items, TRACE_WORDS)
-    return build_tokenizer(ds_items, TRACE_WORDS)
-
-
 def run(cfg: SftStageConfig, root: Path, log: logging.Logger, tracker: StageTracker) -> dict[str, Any]:
     """Train on the kept traces and save `checkpoints/gr2-sft`; returns the stage metrics."""
     timings: dict[str, float] = {}
     start = time.perf_counter()
     torch.manual_seed(cfg.seed)
-    ds, _ = load_prepared(root / PREPARED)
     traces = pl.read_parquet(root / TRACES / "train.parquet").filter(pl.col("kept"))
     pairs = list(zip(traces["prompt"].to_list(), traces["response"].to_list(), strict=True))
     if cfg.max_examples:
@@ -72,18 +61,15 @@ def run(cfg: SftStageConfig, root: Path, log: logging.Logger, tracker: StageTrac
     n_valid = max(1, int(len(pairs) * cfg.valid_fraction)) if cfg.valid_fraction > 0 else 0
     valid, train = pairs[:n_valid], pairs[n_valid:]
 
-    tok = build_tokenizer_for(ds.items, cfg.model.pretrained_path)
-    ids = special_ids(tok)
-    mcfg = cfg.model
-    model = build_ar_model(mcfg, len(tok), pad_id=ids["pad"], bos_id=ids["bos"], eos_id=ids["eos"], seed=cfg.seed)
+    model, tok = load_hf_checkpoint(root / BASE)
     n_params = count_parameters(model)
-    log.info("model: %d parameters, vocabulary %d; %d training / %d validation traces", n_params, len(tok), len(train), len(valid))
+    log.info("model from %s: %d parameters, vocabulary %d; %d training / %d validation traces", BASE, n_params, len(tok), len(train), len(valid))
 
     scfg = cfg.train
     with timed(log, f"SFT for {scfg.epochs} epochs", timings, "train_s"):
         result = train_sft(model, tok, train, scfg, valid=valid or None, on_step=tracker.log_step)
     with atomic_dir(root / CHECKPOINT) as out:
-        save_hf_checkpoint(out, result.model, tok, {"stage": STAGE, **cfg.model_dump()})
+        save_hf_checkpoint(out, result.model, tok, {"stage": STAGE, **cfg.model_dump(), "from": str(BASE), "midtrain": read_stage_config(root / BASE)})
     last = next((h for h in reversed(result.history) if "loss" in h), {})
     valid_losses = [h for h in result.history if any(k.startswith("valid") for k in h)]
     return {

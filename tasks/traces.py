@@ -1,8 +1,11 @@
 """Stage `traces`: the stronger teacher writes reasoning traces for the training re-ranking examples.
 
-The teacher (gr2model.teacher.ExpertTeacher) scores candidates from co-purchase
-statistics, shared semantic-id prefixes and attributes and the pre-ranker's
-scores; its feature weights are fitted on the training lists. Rejection
+The teacher (`traces.teacher`) scores candidates from co-purchase statistics,
+shared semantic-id prefixes and attributes and the pre-ranker's scores: "ltr"
+(default, gr2model.ltr_teacher.LTRTeacher) with a LightGBM lambdarank model
+fitted on the training lists and early-stopped on validation, "linear" with the
+expert's (gr2model.teacher.ExpertTeacher) conditional logit. Test accuracy is
+reported, never used for fitting. Rejection
 sampling (default) keeps a sampled ranking only when it puts the target first;
 targeted mode explains a ranking with the target moved first. The prompt format
 chosen here is written to `data/traces/format.json` and used by every later stage.
@@ -24,6 +27,7 @@ import polars as pl
 
 from gr2model.candidates import rerank_metrics, write_parquet_atomic
 from gr2model.data import load_prepared
+from gr2model.ltr_teacher import LTRConfig, LTRTeacher
 from gr2model.rerank_format import FormatConfig, ItemText
 from gr2model.teacher import ExpertTeacher, TeacherConfig, generate_traces, teacher_accuracy
 from tasks.common import StageConfig, atomic_dir, stage_main, timed
@@ -37,15 +41,21 @@ METRICS = Path("metrics/traces.json")
 
 
 class TracesConfig(StageConfig):
+    # ltr: LightGBM lambdarank on rich features (gr2model.ltr_teacher); linear: the expert's
+    # conditional logit on its 10 features. Both explain with the expert's evidence.
+    teacher: Literal["ltr", "linear"] = "ltr"
+    ltr: LTRConfig = LTRConfig()
     mode: Literal["rejection", "targeted"] = "rejection"
     samples: int = 8
     temperature: float = 1.0
     target_tokens: int = 130
     seed: int = 0
+    rest_order: Literal["sampled", "incoming"] = "sampled"  # after the first item: the sample's order or the incoming one
     # The prompt format of the whole re-ranker (shared by sft ... evaluate through format.json).
     history_len: int = 10
     with_attributes: bool = True
     max_attributes: int = 3
+    answer: Literal["sid", "index"] = "sid"  # recommendations as semantic ids or as incoming positions
     max_examples: int = 0  # 0 = every training re-ranking example; >0 keeps the first N (smoke runs)
 
 
@@ -71,40 +81,67 @@ def run(cfg: TracesConfig, root: Path, log: logging.Logger, tracker: StageTracke
     ds, split = load_prepared(root / PREPARED)
     train = pl.read_parquet(root / CANDIDATES / "train.parquet")
     valid = pl.read_parquet(root / CANDIDATES / "valid.parquet")
-    fmt = FormatConfig(history_len=cfg.history_len, with_attributes=cfg.with_attributes, max_attributes=cfg.max_attributes)
+    fmt = FormatConfig(
+        history_len=cfg.history_len, with_attributes=cfg.with_attributes, max_attributes=cfg.max_attributes, answer=cfg.answer
+    )
     items = ItemText(ds.items)
 
-    with timed(log, "build the teacher and fit its weights on the training lists", timings, "fit_s"):
-        teacher = ExpertTeacher(
+    test = pl.read_parquet(root / CANDIDATES / "test.parquet")  # report only: never used for fitting
+    with timed(log, f"build the {cfg.teacher} teacher and fit it on the training lists", timings, "fit_s"):
+        expert = ExpertTeacher(
             ds.items,
             split["train"].to_list(),
             ds.num_items,
             target_tokens=cfg.target_tokens,
             folds=user_folds_from_lists(split, train),
         )
-        weights = teacher.fit_weights(train)
-    log.info("teacher weights: %s", {k: round(v, 3) for k, v in weights.items()})
-    with timed(log, "teacher accuracy on validation (no target knowledge)", timings, "accuracy_s"):
+        ltr_info: dict[str, Any] | None = None
+        teacher: ExpertTeacher | LTRTeacher
+        if cfg.teacher == "ltr":
+            # Fits the expert's linear weights too (explanations use them); early stopping on validation.
+            teacher = LTRTeacher(expert, cfg.ltr)
+            ltr_info = teacher.fit(train, valid)
+        else:
+            teacher = expert
+            expert.fit_weights(train)
+        weights = expert.weights
+    log.info("linear teacher weights: %s", {k: round(v, 3) for k, v in weights.items()})
+    with timed(log, "teacher accuracy on validation and test (no target knowledge)", timings, "accuracy_s"):
         accuracy = {"teacher": teacher_accuracy(teacher, valid), "prerank": rerank_metrics(valid)}
-    log.info("valid R@1 teacher %.4f vs pre-rank %.4f", accuracy["teacher"]["recall@1"], accuracy["prerank"]["recall@1"])
+        test_accuracy = {"teacher": teacher_accuracy(teacher, test), "prerank": rerank_metrics(test)}
+    log.info(
+        "R@1 teacher vs pre-rank: valid %.4f vs %.4f, test %.4f vs %.4f",
+        accuracy["teacher"]["recall@1"], accuracy["prerank"]["recall@1"],
+        test_accuracy["teacher"]["recall@1"], test_accuracy["prerank"]["recall@1"],
+    )  # fmt: skip
 
     examples = train.filter(pl.col("target_rank") >= 0)
     if cfg.max_examples:
         examples = examples.head(cfg.max_examples)
-    tcfg = TeacherConfig(mode=cfg.mode, samples=cfg.samples, temperature=cfg.temperature, target_tokens=cfg.target_tokens, seed=cfg.seed)
+    tcfg = TeacherConfig(mode=cfg.mode, samples=cfg.samples, temperature=cfg.temperature, target_tokens=cfg.target_tokens, seed=cfg.seed, rest_order=cfg.rest_order)
     with timed(log, f"{cfg.mode} traces for {examples.height} training re-ranking examples", timings, "generate_s"):
         traces, stats = generate_traces(teacher, examples, items, fmt, tcfg)
 
     with atomic_dir(root / OUT_DIR) as out:
         write_parquet_atomic(traces, out / "train.parquet")
         (out / "format.json").write_text(json.dumps(asdict(fmt), indent=2))
-        (out / "teacher.json").write_text(json.dumps({"weights": teacher.weights, "evidence_weights": teacher.evidence_weights, "config": asdict(tcfg)}, indent=2))
+        teacher_info: dict[str, Any] = {"teacher": cfg.teacher, "weights": expert.weights, "evidence_weights": expert.evidence_weights, "config": asdict(tcfg)}
+        if isinstance(teacher, LTRTeacher):
+            (out / "teacher_ltr.txt").write_text(teacher.model_text())
+            teacher_info["ltr"] = {
+                "config": asdict(cfg.ltr),
+                "feature_names": list(teacher.feature_names),
+                "model": "teacher_ltr.txt",
+                **(ltr_info or {}),
+            }
+        (out / "teacher.json").write_text(json.dumps(teacher_info, indent=2))
     tracker.log_metrics({f"teacher_weight.{k}": v for k, v in weights.items()})
     return {
         "mode": cfg.mode,
         **stats,
         "kept": int(traces["kept"].sum()),
         "valid_accuracy": accuracy,
+        "test_accuracy": test_accuracy,
         **timings,
         "seconds": round(time.perf_counter() - start, 2),
     }

@@ -4,7 +4,7 @@ The comparison helpers are pure and tested on small dicts. The verdicts that
 need no rebuild (dirty tree, unknown commit) use a registry of tag-only
 versions. The real checks rebuild versions of the smoke run (session fixture
 `smoke_run`) in a temporary git worktree from the data snapshot in the
-workspace's DVC remote: GR2 after SFT (prepare -> retrieve -> traces -> sft)
+workspace's DVC remote: GR2 after SFT (prepare -> retrieve -> traces -> midtrain -> sft)
 in the default suite, the whole chain to the diffusion model (`-m slow`).
 Both must reproduce bit for bit on a CPU.
 """
@@ -190,7 +190,7 @@ def test_sft_model_reproduces_bit_for_bit(smoke_run: dict[str, Any]) -> None:
     [mv] = [v for v in MlflowClient(store, store).search_model_versions("name = 'gr2'") if v.tags["stage"] == "sft"]
     assert mv.tags["git.dirty"] == "false" and mv.tags["runtime.omp_num_threads"]
     proc = _reproduce_cli(ws, "gr2", str(mv.version))
-    _check_bit_for_bit(ws, "gr2", str(mv.version), proc, ["prepare", "retrieve", "traces", "sft"])
+    _check_bit_for_bit(ws, "gr2", str(mv.version), proc, ["prepare", "retrieve", "traces", "midtrain", "sft"])
 
 
 @pytest.mark.slow
@@ -202,4 +202,4 @@ def test_diffusion_model_reproduces_bit_for_bit(smoke_run: dict[str, Any]) -> No
     store = f"sqlite:///{ws / 'mlflow.db'}"
     version = MlflowClient(store, store).get_model_version_by_alias("diffusion-gr2", "challenger").version
     proc = _reproduce_cli(ws, "diffusion-gr2@challenger")
-    _check_bit_for_bit(ws, "diffusion-gr2", str(version), proc, ["prepare", "retrieve", "traces", "sft", "ar_rl", "trajectories", "cft"])
+    _check_bit_for_bit(ws, "diffusion-gr2", str(version), proc, ["prepare", "retrieve", "traces", "midtrain", "sft", "ar_rl", "trajectories", "cft"])
