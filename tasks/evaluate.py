@@ -79,6 +79,9 @@ class EvaluateConfig(StageConfig):
     batch_size: int = 32
     max_new_tokens: int = 320
     max_examples: int = 0  # per split; 0 = every re-ranking example
+    # The diffusion rows on the first N of those (0 = all of them): their threshold decoder
+    # costs ~4x GR2's per example on 2 cores. Their paired differences use the same N.
+    diffusion_max_examples: int = 0
     seed: int = 0
     bootstrap: int = 2000  # resamples of the examples for every interval (paired for differences)
     tau: float = 0.9  # commit threshold of the diffusion decoder in the accuracy table
@@ -163,7 +166,8 @@ def add_intervals(
                 if model in diffusion and "gr2" in ranks:
                     refs.append("gr2")
                 for ref in refs:
-                    base = per_example_gain(ranks[ref][split], metric)
+                    # A model scored on fewer examples (diffusion_max_examples) saw the first len(r).
+                    base = per_example_gain(ranks[ref][split][: len(r)], metric)
                     lo, hi = bootstrap_ci(gain, baseline=base, n_boot=n_boot, seed=seed)
                     m[f"{metric}_vs_{ref}"] = {"diff": float(gain.mean() - base.mean()), "ci95": [lo, hi]}
 
@@ -252,9 +256,9 @@ def run(cfg: EvaluateConfig, root: Path, log: logging.Logger, tracker: StageTrac
         for baseline, rankings in baselines.items():
             results[baseline][name], ranks[baseline][name] = scored(fixed_rankings(rankings, incoming), targets)
 
-    def evaluate_model(model_name: str, model: Any, tok: Any) -> None:
+    def evaluate_model(model_name: str, model: Any, tok: Any, on: dict[str, pl.DataFrame]) -> None:
         results[model_name], ranks[model_name] = {}, {}
-        for name, df in lists.items():
+        for name, df in on.items():
             with timed(log, f"{model_name} on {name} ({df.height} examples)", timings, f"{model_name}_{name}_s"):
                 results[model_name][name], ranks[model_name][name] = _decode_eval(model_name, model, tok, df, items, fmt, cfg)
             m = results[model_name][name]
@@ -265,11 +269,12 @@ def run(cfg: EvaluateConfig, root: Path, log: logging.Logger, tracker: StageTrac
             log.info("%s: no checkpoint at %s; skipped", model_name, ckpt)
             continue
         model, tok = load_hf_checkpoint(root / ckpt)
-        evaluate_model(model_name, model, tok)
+        evaluate_model(model_name, model, tok, lists)
         del model
     models = diffusion_models(root, cfg.naive_block_size) if (root / GR2).exists() else {}
+    diffusion_lists = {n: df.head(cfg.diffusion_max_examples) for n, df in lists.items()} if cfg.diffusion_max_examples else lists
     for model_name, (model, tok) in models.items():
-        evaluate_model(model_name, model, tok)
+        evaluate_model(model_name, model, tok, diffusion_lists)
 
     with timed(log, f"bootstrap intervals ({cfg.bootstrap} resamples, paired differences)", timings, "bootstrap_s"):
         add_intervals(results, ranks, n_boot=cfg.bootstrap, seed=cfg.seed)
