@@ -373,9 +373,12 @@ def test_train_cft_refuses_a_model_converted_for_another_block_size(tok, items) 
 
 def test_cft_makes_the_naive_conversion_decode_valid_rankings(tok, items) -> None:
     """AR model trained by SFT on the toy task -> naive conversion (block 4, never saw
-    a mask token) mostly writes broken rankings with the threshold decoder; a few CFT
-    steps make it write the exact answers, several tokens per forward.
-    (Measured: naive 3/24 valid, 37 forwards; after CFT 24/24 exact, 15 forwards.)"""
+    a mask token): with the threshold decoder it either writes broken rankings or, where
+    it stays valid, commits one token per row per forward (AR's pace: nothing decoded in
+    parallel). A few CFT steps make it write the exact answers, several tokens per row
+    per forward. (Measured: before the position tokens joined the vocabulary, naive 3/24
+    valid; with them, naive 24/24 valid at 1.0 token per row per forward; after CFT
+    24/24 exact at 2.3.)"""
     examples = toy_examples(items)
     sp = special_ids(tok)
     prompts = [tok(p, add_special_tokens=False)["input_ids"] for p, _ in examples]
@@ -389,7 +392,7 @@ def test_cft_makes_the_naive_conversion_decode_valid_rankings(tok, items) -> Non
         texts = [tok.decode(s) for s in out.sequences]
         valid = sum(parse_response(t, list(c), items).valid_permutation for t, c in zip(texts, TOY_CANDIDATES))
         exact = sum(t == f"{r} <|eos|>" for t, (_, r) in zip(texts, examples))
-        return valid, exact, out.tokens_per_forward
+        return valid, exact, out.tokens_per_forward / len(prompts)  # per row
 
     ar = train_sft(toy_model(tok), tok, examples, SFTConfig(epochs=40, batch_size=8, lr=3e-3, warmup_steps=10)).model
     naive = convert_to_block_diffusion(ar, tok, bs)
@@ -397,6 +400,6 @@ def test_cft_makes_the_naive_conversion_decode_valid_rankings(tok, items) -> Non
     cfg = CFTConfig(epochs=15, batch_size=8, lr=3e-3, warmup_steps=5, block_size=bs)
     tuned = train_cft(naive, tok, examples, cfg).model
     valid, exact, tpf = decode(tuned)
-    assert naive_valid <= 0.5 * len(examples)
+    assert naive_valid <= 0.5 * len(examples) or naive_tpf <= 1.05
     assert valid >= 0.9 * len(examples) and exact >= 0.8 * len(examples)
-    assert tpf > 1.5 and tpf > naive_tpf
+    assert tpf > 1.5 and tpf > naive_tpf + 0.4
