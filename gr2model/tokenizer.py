@@ -69,7 +69,7 @@ def _table_codes(items: pl.DataFrame) -> tuple[list[int], int]:
     return level_max, int(attrs.max()) if len(attrs) else 0
 
 
-def format_tokens(items: pl.DataFrame, *, max_sid_code: int = 255) -> list[str]:
+def format_tokens(items: pl.DataFrame, *, max_sid_code: int = 255, max_positions: int = MAX_POSITIONS) -> list[str]:
     """Every non-special token of the format, in vocabulary order: JSON tokens,
     prompt words, `<a_0>`..`<a_{max_sid_code}>` (same for b and c),
     `<d_0>`..`<d_{max_d}>`, `<attr_1>`..`<attr_{max_attr}>`, `<pos_1>`..`<pos_50>`
@@ -80,6 +80,8 @@ def format_tokens(items: pl.DataFrame, *, max_sid_code: int = 255) -> list[str]:
     level is a collision code that may exceed the codebook size); sizing it no
     smaller than the codebook keeps the vocabulary the same for any subset of
     items (smoke runs, cross-fitting). max_attr is the table's largest attribute.
+    max_positions: how many position tokens (0 for a vocabulary that only ever
+    writes semantic-id answers, e.g. the tests' smallest models).
 
     Raises:
         ValueError: an a, b or c code above max_sid_code, a malformed sid, an attribute < 1.
@@ -93,11 +95,15 @@ def format_tokens(items: pl.DataFrame, *, max_sid_code: int = 255) -> list[str]:
         tokens += [sid_token(lvl, c) for c in range(max_sid_code + 1)]
     tokens += [sid_token(SID_LEVELS[-1], c) for c in range(max(max_sid_code, level_max[-1]) + 1)]
     tokens += [attr_token(a) for a in range(1, max_attr + 1)]
-    tokens += [pos_token(k) for k in range(1, MAX_POSITIONS + 1)]
+    if not 0 <= max_positions <= MAX_POSITIONS:
+        raise ValueError(f"max_positions must be in 0..{MAX_POSITIONS}, got {max_positions}")
+    tokens += [pos_token(k) for k in range(1, max_positions + 1)]
     return tokens
 
 
-def build_tokenizer(items: pl.DataFrame, words: Iterable[str], *, max_sid_code: int = 255) -> PreTrainedTokenizerFast:
+def build_tokenizer(
+    items: pl.DataFrame, words: Iterable[str], *, max_sid_code: int = 255, max_positions: int = MAX_POSITIONS
+) -> PreTrainedTokenizerFast:
     """A word-level fast tokenizer for the format.
 
     Vocabulary: the specials `<|pad|> <|unk|> <|bos|> <|eos|> <|user|>
@@ -114,7 +120,7 @@ def build_tokenizer(items: pl.DataFrame, words: Iterable[str], *, max_sid_code: 
         ValueError: a word that is empty or contains whitespace (the whitespace
             pre-tokenizer could never produce it), or a bad items table.
     """
-    vocab_list = [*SPECIAL_TOKENS, *format_tokens(items, max_sid_code=max_sid_code)]
+    vocab_list = [*SPECIAL_TOKENS, *format_tokens(items, max_sid_code=max_sid_code, max_positions=max_positions)]
     known = set(vocab_list)
     extra: set[str] = set()
     for word in words:

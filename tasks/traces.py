@@ -132,7 +132,8 @@ def run(cfg: TracesConfig, root: Path, log: logging.Logger, tracker: StageTracke
                 "config": asdict(cfg.ltr),
                 "feature_names": list(teacher.feature_names),
                 "model": "teacher_ltr.txt",
-                **(ltr_info or {}),
+                # Timings go to the metrics: the data folder must rebuild bit for bit.
+                **{k: v for k, v in (ltr_info or {}).items() if not k.endswith("_s")},
             }
         (out / "teacher.json").write_text(json.dumps(teacher_info, indent=2))
     tracker.log_metrics({f"teacher_weight.{k}": v for k, v in weights.items()})
@@ -142,6 +143,7 @@ def run(cfg: TracesConfig, root: Path, log: logging.Logger, tracker: StageTracke
         "kept": int(traces["kept"].sum()),
         "valid_accuracy": accuracy,
         "test_accuracy": test_accuracy,
+        **{f"ltr_{k}": v for k, v in (ltr_info or {}).items() if k.endswith("_s")},
         **timings,
         "seconds": round(time.perf_counter() - start, 2),
     }

@@ -86,7 +86,7 @@ def one_item_tokenizer():
         {"item_id": [1], "sid": [[0, 0, 0, 0]], "attributes": [[]]},
         schema={"item_id": pl.Int64, "sid": pl.List(pl.Int64), "attributes": pl.List(pl.Int64)},
     )
-    return build_tokenizer(items, [], max_sid_code=0)
+    return build_tokenizer(items, [], max_sid_code=0, max_positions=0)
 
 
 def random_prompts(tok, n: int, seed: int) -> list[list[int]]:
