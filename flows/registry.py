@@ -75,6 +75,8 @@ class RetrieverModel(mlflow.pyfunc.PythonModel):
 
 MAX_ROWS_PER_REQUEST = 256
 _RERANK_COLUMNS = ("history", "candidates")
+# Sent only to a model whose prompt format writes evidence (FormatConfig.evidence).
+_OPTIONAL_COLUMNS = ("evidence",)
 
 
 def _bad_request(problems: list[str]) -> Exception:
@@ -106,8 +108,10 @@ def _as_records(model_input: Any) -> list[dict[str, Any]]:
     if not rows:
         raise _bad_request(["no rows: send at least one row with history and candidates"])
     missing = [c for c in _RERANK_COLUMNS if c not in columns]
-    unknown = [c for c in columns if c not in _RERANK_COLUMNS]
-    problems = [f"missing column '{c}'" for c in missing] + [f"unknown column '{c}' (expected {list(_RERANK_COLUMNS)})" for c in unknown]
+    unknown = [c for c in columns if c not in _RERANK_COLUMNS + _OPTIONAL_COLUMNS]
+    problems = [f"missing column '{c}'" for c in missing] + [
+        f"unknown column '{c}' (expected {list(_RERANK_COLUMNS)}, optionally {list(_OPTIONAL_COLUMNS)})" for c in unknown
+    ]
     if problems:
         raise _bad_request(problems)
     return rows
@@ -127,6 +131,51 @@ def _item_list(value: Any) -> tuple[list[int] | None, str]:
             return None, f"must be a list of integer item ids, got {type(x).__name__} {str(x)[:40]!r}"
         out.append(int(x))
     return out, ""
+
+
+def validate_rerank_evidence(model_input: Any, candidate_lists: list[list[int]], n_features: int) -> list[list[list[int]]] | None:
+    """Check the `evidence` column of a request against the model's prompt format.
+
+    A model whose format writes `n_features` evidence features per candidate
+    needs, in each row, one list of n_features integer levels (0..EVIDENCE_LEVELS-1,
+    from the thresholds in the model's `format` artifact) per candidate; a model
+    without evidence (n_features 0) refuses the column.
+
+    Returns:
+        The rows' (K, F) levels, or None for a model without evidence.
+    Raises:
+        MlflowException (HTTP 400 when served): each problem, naming its row.
+    """
+    import numpy as np
+
+    from gr2model.rerank_format import EVIDENCE_LEVELS
+
+    rows = _as_records(model_input)
+    sent = [r.get("evidence") is not None for r in rows]
+    if not n_features:
+        if any(sent):
+            raise _bad_request(["evidence: this model's prompts carry no evidence; drop the column"])
+        return None
+    problems: list[str] = []
+    out: list[list[list[int]]] = []
+    for i, (row, cands) in enumerate(zip(rows, candidate_lists, strict=True)):
+        ev = row.get("evidence")
+        want = f"{len(cands)} lists (one per candidate) of {n_features} integer levels in 0..{EVIDENCE_LEVELS - 1}"
+        try:
+            arr = np.asarray([list(e) for e in ev], dtype=object) if ev is not None and not isinstance(ev, (str, bytes, dict)) else None
+        except TypeError:
+            arr = None
+        ok = arr is not None and arr.shape == (len(cands), n_features) and all(
+            isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_)) and 0 <= x < EVIDENCE_LEVELS for x in arr.flat
+        )
+        if not ok:
+            problems.append(f"row {i}: evidence: {'missing' if ev is None else 'malformed'}; expected {want}")
+            out.append([])
+        else:
+            out.append([[int(x) for x in e] for e in arr.tolist()])
+    if problems:
+        raise _bad_request(problems)
+    return out
 
 
 def validate_rerank_input(model_input: Any, known_items: Container[int], num_candidates: int | None) -> tuple[list[list[int]], list[list[int]]]:
@@ -245,8 +294,11 @@ class GR2Model(mlflow.pyfunc.PythonModel):
 
         # Validate everything before decoding: a bad request is a 400 naming the row and field.
         histories, candidates = validate_rerank_input(model_input, self.items, self.num_candidates)
+        evidence = validate_rerank_evidence(model_input, candidates, len(self.fmt.evidence))
         params = rerank_params(params)
         lists = pl.DataFrame({"history": histories, "candidates": candidates}, schema={"history": pl.List(pl.Int64), "candidates": pl.List(pl.Int64)})
+        if evidence is not None:
+            lists = lists.with_columns(pl.Series("evidence", evidence, dtype=pl.List(pl.List(pl.Int8))))
         kwargs = decoder_kwargs(self.model, params["tau"])
         out = lm_rerank(self.model, self.tok, lists, self.items, self.fmt, max_new_tokens=params["max_new_tokens"], **kwargs)
         return pd.DataFrame(

@@ -39,7 +39,7 @@ import time
 import warnings
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import numpy as np
@@ -51,7 +51,10 @@ from gr2model.teacher import FEATURE_NAMES, CoPurchaseStats, ExpertTeacher, Item
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["EXTRA_FEATURE_NAMES", "LTR_FEATURE_NAMES", "SCORE_FEATURE_NAMES", "LTRConfig", "LTRTeacher"]
+__all__ = [
+    "EXTRA_FEATURE_NAMES", "LTR_FEATURE_NAMES", "PROMPT_FEATURE_NAMES", "SCORE_FEATURE_NAMES",
+    "LTRConfig", "LTRTeacher", "evidence_values",
+]  # fmt: skip
 
 EXTRA_FEATURE_NAMES: tuple[str, ...] = (
     # the pre-ranker's list (cand_scores are visible at training and test time)
@@ -94,8 +97,18 @@ LTR_FEATURE_NAMES: tuple[str, ...] = FEATURE_NAMES + EXTRA_FEATURE_NAMES
 SCORE_FEATURE_NAMES: tuple[str, ...] = (
     "position", "score_gap_prev", "score_gap_next", "score_prob", "score_z", "list_entropy", "list_top_gap",
 )  # fmt: skip
+# What a student reading only the prompt can compute: the incoming position and the
+# overlap of the candidate's semantic id and attributes with the history it is shown.
+# Co-purchase counts, popularity and the pre-ranker's scores are not in the prompt;
+# a student could only learn them by memorising every item pair, which ~14k traces
+# cannot teach. A ranker fitted on these features alone (`features="prompt"`) is the
+# ceiling of what distilling the teacher into a prompt reader can gain.
+PROMPT_FEATURE_NAMES: tuple[str, ...] = (
+    "prerank_rank", "sid_prefix_last", "sid_prefix_recent", "attr_last", "attr_recent", "sid_l1_frac", "sid_l2_frac",
+)  # fmt: skip
 _E = {name: i for i, name in enumerate(EXTRA_FEATURE_NAMES)}
 _B = {name: i for i, name in enumerate(FEATURE_NAMES)}
+_ALL = {name: i for i, name in enumerate(LTR_FEATURE_NAMES)}
 
 _METRICS = ("ndcg@1", "ndcg@3", "map@10")
 
@@ -113,7 +126,8 @@ class LTRConfig:
     early_stopping_rounds: stop when `eval_metric` on the validation lists has not
         improved for this many trees; the best iteration is kept.
     eval_metric: the validation metric of early stopping ("ndcg@1", "ndcg@3", "map@10").
-    features: "all" (LTR_FEATURE_NAMES) or "base" (the expert's 10 FEATURE_NAMES).
+    features: "all" (LTR_FEATURE_NAMES), "base" (the expert's 10 FEATURE_NAMES) or
+        "prompt" (PROMPT_FEATURE_NAMES: what the student's prompt shows).
     score_features: with "all", keep SCORE_FEATURE_NAMES too (see there why not by default).
     long_decay: weight long_decay**j of the j-th most recent item in the
         whole-history co-purchase features.
@@ -132,7 +146,7 @@ class LTRConfig:
     colsample_bytree: float = 0.5
     early_stopping_rounds: int = 50
     eval_metric: Literal["ndcg@1", "ndcg@3", "map@10"] = "ndcg@3"
-    features: Literal["all", "base"] = "all"
+    features: Literal["all", "base", "prompt"] = "all"
     score_features: bool = False
     long_decay: float = 0.8
     max_history: int = 50
@@ -160,8 +174,8 @@ class LTRConfig:
             raise ValueError(f"early_stopping_rounds must be >= 1, got {self.early_stopping_rounds}")
         if self.eval_metric not in _METRICS:
             raise ValueError(f"eval_metric must be one of {_METRICS}, got {self.eval_metric!r}")
-        if self.features not in ("all", "base"):
-            raise ValueError(f"features must be 'all' or 'base', got {self.features!r}")
+        if self.features not in ("all", "base", "prompt"):
+            raise ValueError(f"features must be 'all', 'base' or 'prompt', got {self.features!r}")
         if not 0 < self.long_decay <= 1:
             raise ValueError(f"long_decay must lie in (0, 1], got {self.long_decay}")
         if self.max_history < 1:
@@ -346,6 +360,8 @@ class LTRTeacher:
         """Names of the columns of `features`."""
         if self.cfg.features == "base":
             return FEATURE_NAMES
+        if self.cfg.features == "prompt":
+            return PROMPT_FEATURE_NAMES
         if self.cfg.score_features:
             return LTR_FEATURE_NAMES
         return FEATURE_NAMES + tuple(n for n in EXTRA_FEATURE_NAMES if n not in SCORE_FEATURE_NAMES)
@@ -379,6 +395,9 @@ class LTRTeacher:
             self.expert._stats(key), self._transitions(key), self.expert.side, self.cfg,
             recent=self.expert.recent, decay=self.expert.decay,
         )  # fmt: skip
+        if self.cfg.features == "prompt":
+            full = np.concatenate([base, extra], axis=1)
+            return full[:, [_ALL[n] for n in PROMPT_FEATURE_NAMES]]
         if not self.cfg.score_features:
             extra = extra[:, self._extra_keep]
         return np.concatenate([base, extra], axis=1)
@@ -549,6 +568,27 @@ class LTRTeacher:
         return self.expert.explain(
             history, candidates, ranking, rng, cand_scores=cand_scores, fold=fold, target_tokens=target_tokens
         )
+
+
+def evidence_values(
+    expert: ExpertTeacher, lists: pl.DataFrame, names: Sequence[str], cfg: LTRConfig | None = None, *, desc: str | None = "evidence"
+) -> list[np.ndarray]:
+    """The values of features `names` (any of LTR_FEATURE_NAMES) for every row of
+    `lists`: one (K, F) float64 array per row, F = len(names).
+
+    Training lists with a `fold` get that fold's statistics, as the teacher sees
+    them, so a training prompt's evidence never counts its own target. `cfg`
+    gives the whole-history settings (long_decay, max_history, rescale_counts).
+
+    Raises:
+        ValueError: a name that is not an LTR feature.
+    """
+    if unknown := [n for n in names if n not in _ALL]:
+        raise ValueError(f"unknown evidence features {unknown}; known: {LTR_FEATURE_NAMES}")
+    full = LTRTeacher(expert, replace(cfg or LTRConfig(), features="all", score_features=True))
+    cols = [_ALL[n] for n in names]
+    rows = tqdm(_lists_rows(lists), desc=desc, disable=desc is None, leave=False)
+    return [full.features(h, c, s, fold=f)[:, cols] for h, c, s, f in rows]
 
 
 def _labels(group: np.ndarray, target_rank: np.ndarray) -> np.ndarray:

@@ -17,7 +17,7 @@ from tqdm.auto import tqdm
 from gr2model.ar_decode import DecodeOutput, ar_generate
 from gr2model.block_diffusion import block_diffusion_settings
 from gr2model.diffusion_decode import diffusion_generate
-from gr2model.rerank_format import FormatConfig, ItemText, ParsedResponse, build_prompt, parse_response
+from gr2model.rerank_format import FormatConfig, ItemText, ParsedResponse, build_prompt, evidence_of, parse_response
 from gr2model.tokenizer import special_ids
 
 log = logging.getLogger(__name__)
@@ -31,8 +31,10 @@ def rerank_examples(lists: pl.DataFrame) -> pl.DataFrame:
 
 
 def prompts_of(lists: pl.DataFrame, items: ItemText, fmt: FormatConfig) -> list[str]:
-    """The prompt text of every row (history and candidates in the incoming order)."""
-    return [build_prompt(h, c, items, fmt) for h, c in zip(lists["history"].to_list(), lists["candidates"].to_list(), strict=True)]
+    """The prompt text of every row (history and candidates in the incoming order, and
+    the candidates' evidence levels when the format writes them)."""
+    rows = zip(lists["history"].to_list(), lists["candidates"].to_list(), evidence_of(lists, fmt), strict=True)
+    return [build_prompt(h, c, items, fmt, e) for h, c, e in rows]
 
 
 def fixed_rankings(rankings: Sequence[Sequence[int]], incoming: Sequence[Sequence[int]]) -> list[ParsedResponse]:

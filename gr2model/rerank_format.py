@@ -73,9 +73,15 @@ __all__ = [
     "sid_token",
     "attr_token",
     "pos_token",
+    "evidence_token",
     "MAX_POSITIONS",
+    "MAX_EVIDENCE",
+    "EVIDENCE_LEVELS",
     "ANSWER_FORMATS",
     "build_prompt",
+    "evidence_levels",
+    "evidence_of",
+    "fit_evidence_bins",
     "build_response",
     "build_full_text",
     "parse_response",
@@ -118,13 +124,17 @@ RERANK_METRIC_NAMES: tuple[str, ...] = (
 # changes the tokenizer.
 MAX_POSITIONS = 50
 ANSWER_FORMATS: tuple[str, ...] = ("sid", "index")
+# Evidence tokens <ev{f}_{b}>: the level b (0..EVIDENCE_LEVELS-1) of evidence
+# feature f (1..MAX_EVIDENCE) of a candidate, written before its item tokens.
+MAX_EVIDENCE = 8
+EVIDENCE_LEVELS = 8
 
 # Canonical code: no sign, no leading zero (so "<a_01>" is not a second spelling of "<a_1>").
 _CODE = r"(0|[1-9][0-9]*)"
 _SID_RE = re.compile(r"\s*".join(rf"<{lvl}_{_CODE}>" for lvl in SID_LEVELS))
 _SPECIAL_RE = re.compile(r"<\|[^|\s]*\|>")
 _POS_RE = re.compile(r"<pos_([1-9][0-9]*)>")
-_ID_TOKEN_RE = re.compile(r"<(?:[abcd]|attr|pos)_[0-9]+>")
+_ID_TOKEN_RE = re.compile(r"<(?:[abcd]|attr|pos|ev[0-9]+)_[0-9]+>")
 
 
 def _canonical_explanation(text: str) -> str:
@@ -150,6 +160,15 @@ def pos_token(position: int) -> str:
     return f"<pos_{position}>"
 
 
+def evidence_token(feature: int, level: int) -> str:
+    """`evidence_token(2, 5) == "<ev2_5>"`: level 5 of the candidate's second evidence feature."""
+    if not 1 <= feature <= MAX_EVIDENCE:
+        raise ValueError(f"evidence feature {feature} outside 1..{MAX_EVIDENCE}")
+    if not 0 <= level < EVIDENCE_LEVELS:
+        raise ValueError(f"evidence level {level} outside 0..{EVIDENCE_LEVELS - 1}")
+    return f"<ev{feature}_{level}>"
+
+
 @dataclass(frozen=True)
 class FormatConfig:
     """How prompts are written.
@@ -159,14 +178,34 @@ class FormatConfig:
     max_attributes: at most this many attributes per item (the first ones).
     answer: "sid" (recommendations are semantic ids) or "index" (candidates are
         numbered in the prompt and recommendations are position tokens).
+    evidence: names of per-candidate evidence features written into the prompt
+        (empty: none), one `<ev{f}_{b}>` token each before the candidate's item
+        tokens; the values come with the lists (`build_prompt(evidence=...)`).
+    evidence_bins: for each evidence feature, the ascending thresholds that cut
+        its values into levels (level = how many thresholds the value reaches;
+        at most EVIDENCE_LEVELS - 1 thresholds), fitted on the training lists.
     """
 
     history_len: int = 10
     with_attributes: bool = True
     max_attributes: int = 3
     answer: str = "sid"
+    evidence: tuple[str, ...] = ()
+    evidence_bins: tuple[tuple[float, ...], ...] = ()
 
     def __post_init__(self) -> None:
+        # format.json gives lists; keep the config hashable and comparable.
+        object.__setattr__(self, "evidence", tuple(str(n) for n in self.evidence))
+        object.__setattr__(self, "evidence_bins", tuple(tuple(float(t) for t in b) for b in self.evidence_bins))
+        if len(self.evidence) > MAX_EVIDENCE:
+            raise ValueError(f"evidence: at most {MAX_EVIDENCE} features, got {len(self.evidence)}")
+        if len(set(self.evidence)) != len(self.evidence):
+            raise ValueError(f"evidence: repeated feature names {list(self.evidence)}")
+        if len(self.evidence_bins) != len(self.evidence):
+            raise ValueError(f"evidence_bins: {len(self.evidence_bins)} threshold lists for {len(self.evidence)} evidence features")
+        for name, bins in zip(self.evidence, self.evidence_bins):
+            if len(bins) > EVIDENCE_LEVELS - 1 or list(bins) != sorted(set(bins)):
+                raise ValueError(f"evidence_bins of {name!r}: at most {EVIDENCE_LEVELS - 1} strictly ascending thresholds, got {list(bins)}")
         if self.answer not in ANSWER_FORMATS:
             raise ValueError(f"answer must be one of {ANSWER_FORMATS}, got {self.answer!r}")
         if self.history_len < 0:
@@ -253,14 +292,98 @@ def _check_distinct(candidates: Sequence[int]) -> None:
         raise ValueError(f"candidates must be distinct item ids, got {list(candidates)}")
 
 
-def build_prompt(history: Sequence[int], candidates: Sequence[int], items: ItemText, cfg: FormatConfig) -> str:
+def evidence_levels(values: np.ndarray, bins: Sequence[Sequence[float]]) -> np.ndarray:
+    """(K, F) int levels of (K, F) evidence values: column f's level is the number of
+    thresholds bins[f] that the value reaches (0..len(bins[f]))."""
+    values = np.asarray(values, dtype=np.float64)
+    if values.ndim != 2 or values.shape[1] != len(bins):
+        raise ValueError(f"evidence values of shape {values.shape}, expected (K, {len(bins)})")
+    return np.stack([np.searchsorted(np.asarray(b, dtype=np.float64), values[:, f], side="right") for f, b in enumerate(bins)], axis=1)
+
+
+def fit_evidence_bins(values: Sequence[np.ndarray], levels: int = EVIDENCE_LEVELS) -> tuple[tuple[float, ...], ...]:
+    """Thresholds that cut each evidence feature into at most `levels` levels of
+    about equal mass over `values` (the training lists).
+
+    A value that holds at least 1/levels of the mass (a count feature's 0: "never
+    bought together") gets a level of its own, so "none" and "a little" never
+    share a token; the other values are cut at their quantiles with the
+    thresholds left.
+
+    Args:
+        values: one (K, F) array per list.
+    Returns:
+        F tuples of ascending thresholds, for `FormatConfig.evidence_bins`.
+    """
+    if not 2 <= levels <= EVIDENCE_LEVELS:
+        raise ValueError(f"levels must be in 2..{EVIDENCE_LEVELS}, got {levels}")
+    if not values:
+        raise ValueError("no evidence values to fit the levels on")
+    x = np.concatenate([np.asarray(v, dtype=np.float64) for v in values])
+    if not np.isfinite(x).all():
+        raise ValueError("evidence values must be finite")
+    return tuple(_feature_bins(x[:, f], levels) for f in range(x.shape[1]))
+
+
+def _feature_bins(x: np.ndarray, levels: int) -> tuple[float, ...]:
+    uniq, counts = np.unique(x, return_counts=True)
+    points = uniq[counts >= len(x) / levels]
+    # Each mass point p is isolated by the thresholds p and the next float above it.
+    thresholds = {float(t) for p in points for t in (p, np.nextafter(p, np.inf))}
+    budget = levels - 1 - len(thresholds)
+    rest = x[~np.isin(x, points)]
+    if budget < 0:  # too many mass points to isolate: plain quantiles
+        thresholds, budget, rest = set(), levels - 1, x
+    if budget > 0 and rest.size:
+        thresholds |= {float(t) for t in np.quantile(rest, np.arange(1, budget + 1) / (budget + 1))}
+    return tuple(sorted(thresholds))
+
+
+def evidence_of(lists: pl.DataFrame, fmt: FormatConfig) -> list[list[list[int]] | None]:
+    """Each row's (K, F) evidence levels (the `evidence` column), or None for every
+    row when the format writes no evidence.
+
+    Raises:
+        ValueError: the format writes evidence but the lists lack the column or a row's levels.
+    """
+    if not fmt.evidence:
+        return [None] * lists.height
+    if "evidence" not in lists.columns:
+        raise ValueError(
+            f"the prompt format writes evidence {list(fmt.evidence)} but the lists have no 'evidence' column "
+            "(read them with tasks.traces.load_lists, which joins data/traces/evidence)"
+        )
+    out = lists["evidence"].to_list()
+    if missing := [i for i, e in enumerate(out) if e is None]:
+        raise ValueError(f"{len(missing)} rows have no evidence levels (first: row {missing[0]})")
+    return out
+
+
+def build_prompt(
+    history: Sequence[int],
+    candidates: Sequence[int],
+    items: ItemText,
+    cfg: FormatConfig,
+    evidence: Sequence[Sequence[int]] | None = None,
+) -> str:
     """The prompt text: `<|user|> history : ITEM ... candidates : ITEM ... <|assistant|>`.
 
     Args:
         history: item ids, oldest first; only the last cfg.history_len are written.
         candidates: the K distinct candidate ids in the incoming (pre-rank) order.
+        evidence: (K, F) levels of the cfg.evidence features (`evidence_levels`),
+            required exactly when cfg.evidence is not empty.
+    Raises:
+        ValueError: repeated candidates; evidence missing, unexpected or of the wrong shape.
     """
     _check_distinct(candidates)
+    if cfg.evidence and evidence is None:
+        raise ValueError(f"the format writes evidence {list(cfg.evidence)}: pass each candidate's evidence levels")
+    if evidence is not None:
+        if not cfg.evidence:
+            raise ValueError("evidence given but the format writes none (FormatConfig.evidence is empty)")
+        if len(evidence) != len(candidates) or any(len(e) != len(cfg.evidence) for e in evidence):
+            raise ValueError(f"evidence must give {len(cfg.evidence)} levels for each of the {len(candidates)} candidates")
     kept = list(history)[len(history) - cfg.history_len :] if cfg.history_len else []
     tokens = [USER, "history", ":"]
     for item in kept:
@@ -269,6 +392,8 @@ def build_prompt(history: Sequence[int], candidates: Sequence[int], items: ItemT
     for pos, item in enumerate(candidates, start=1):
         if cfg.answer == "index":
             tokens.append(pos_token(pos))
+        if evidence is not None:
+            tokens += [evidence_token(f, int(level)) for f, level in enumerate(evidence[pos - 1], start=1)]
         tokens += items.item_tokens(item, cfg.with_attributes, cfg.max_attributes)
     tokens.append(ASSISTANT)
     return " ".join(tokens)

@@ -64,6 +64,7 @@ from gr2model.rerank_format import (
     ItemText,
     attr_token,
     build_prompt,
+    evidence_of,
     build_response,
     sid_token,
 )
@@ -1011,8 +1012,8 @@ def generate_traces(
     records: list[TraceRecord] = []
     expl_lens: list[int] = []
     resp_lens: list[int] = []
-    rows = zip(ex["user_id"].to_list(), ex["position"].to_list(), ex["target"].to_list(), _rows(ex))
-    for user_id, position, target, (history, cands, cand_scores, fold) in tqdm(
+    rows = zip(ex["user_id"].to_list(), ex["position"].to_list(), ex["target"].to_list(), _rows(ex), evidence_of(ex, fmt))
+    for user_id, position, target, (history, cands, cand_scores, fold), evidence in tqdm(
         rows, total=ex.height, desc=f"traces ({cfg.mode})", leave=False
     ):
         rng = _example_rng(cfg.seed, user_id, position)
@@ -1032,7 +1033,7 @@ def generate_traces(
                     break
         if ranking and cfg.rest_order == "incoming":
             ranking = [ranking[0]] + [c for c in cands if c != ranking[0]]
-        prompt = build_prompt(history, cands, items, fmt)
+        prompt = build_prompt(history, cands, items, fmt, evidence)
         response = ""
         if ranking:
             expl = teacher.explain(

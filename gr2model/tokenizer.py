@@ -28,6 +28,8 @@ from gr2model.rerank_format import (
     BOS,
     EOS,
     EXPLANATION_KEY,
+    EVIDENCE_LEVELS,
+    MAX_EVIDENCE,
     MAX_POSITIONS,
     JSON_TOKENS,
     MASK,
@@ -39,6 +41,7 @@ from gr2model.rerank_format import (
     UNK,
     USER,
     attr_token,
+    evidence_token,
     pos_token,
     sid_token,
 )
@@ -69,7 +72,9 @@ def _table_codes(items: pl.DataFrame) -> tuple[list[int], int]:
     return level_max, int(attrs.max()) if len(attrs) else 0
 
 
-def format_tokens(items: pl.DataFrame, *, max_sid_code: int = 255, max_positions: int = MAX_POSITIONS) -> list[str]:
+def format_tokens(
+    items: pl.DataFrame, *, max_sid_code: int = 255, max_positions: int = MAX_POSITIONS, max_evidence: int = 0
+) -> list[str]:
     """Every non-special token of the format, in vocabulary order: JSON tokens,
     prompt words, `<a_0>`..`<a_{max_sid_code}>` (same for b and c),
     `<d_0>`..`<d_{max_d}>`, `<attr_1>`..`<attr_{max_attr}>`, `<pos_1>`..`<pos_50>`
@@ -98,11 +103,19 @@ def format_tokens(items: pl.DataFrame, *, max_sid_code: int = 255, max_positions
     if not 0 <= max_positions <= MAX_POSITIONS:
         raise ValueError(f"max_positions must be in 0..{MAX_POSITIONS}, got {max_positions}")
     tokens += [pos_token(k) for k in range(1, max_positions + 1)]
+    if not 0 <= max_evidence <= MAX_EVIDENCE:
+        raise ValueError(f"max_evidence must be in 0..{MAX_EVIDENCE}, got {max_evidence}")
+    tokens += [evidence_token(f, b) for f in range(1, max_evidence + 1) for b in range(EVIDENCE_LEVELS)]
     return tokens
 
 
 def build_tokenizer(
-    items: pl.DataFrame, words: Iterable[str], *, max_sid_code: int = 255, max_positions: int = MAX_POSITIONS
+    items: pl.DataFrame,
+    words: Iterable[str],
+    *,
+    max_sid_code: int = 255,
+    max_positions: int = MAX_POSITIONS,
+    max_evidence: int = 0,
 ) -> PreTrainedTokenizerFast:
     """A word-level fast tokenizer for the format.
 
@@ -120,7 +133,10 @@ def build_tokenizer(
         ValueError: a word that is empty or contains whitespace (the whitespace
             pre-tokenizer could never produce it), or a bad items table.
     """
-    vocab_list = [*SPECIAL_TOKENS, *format_tokens(items, max_sid_code=max_sid_code, max_positions=max_positions)]
+    vocab_list = [
+        *SPECIAL_TOKENS,
+        *format_tokens(items, max_sid_code=max_sid_code, max_positions=max_positions, max_evidence=max_evidence),
+    ]
     known = set(vocab_list)
     extra: set[str] = set()
     for word in words:
@@ -146,7 +162,7 @@ def build_tokenizer(
 
 
 def extend_pretrained_tokenizer(
-    path: str | Path, items: pl.DataFrame, words: Iterable[str] = (), *, max_sid_code: int = 255
+    path: str | Path, items: pl.DataFrame, words: Iterable[str] = (), *, max_sid_code: int = 255, max_evidence: int = 0
 ) -> PreTrainedTokenizerBase:
     """A local pretrained tokenizer with the format's tokens added.
 
@@ -178,7 +194,7 @@ def extend_pretrained_tokenizer(
     specials["extra_special_tokens"] = [added(s, special=True) for s in [*_EXTRA_SPECIALS, UNK]]
     tok.add_special_tokens(specials, replace_extra_special_tokens=False)
     # The sid and attribute tokens are the format tokens written "<...>".
-    id_tokens = [t for t in format_tokens(items, max_sid_code=max_sid_code) if t.startswith("<")]
+    id_tokens = [t for t in format_tokens(items, max_sid_code=max_sid_code, max_evidence=max_evidence) if t.startswith("<")]
     tok.add_tokens([added(t, special=False) for t in [EXPLANATION_KEY, RECOMMENDATIONS_KEY, *id_tokens]])
     new_words = sorted({w for w in words if w and not any(ch.isspace() for ch in w)} - set(tok.get_vocab()))
     if new_words:

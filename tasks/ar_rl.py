@@ -25,13 +25,12 @@ from gr2model.data import load_prepared
 from gr2model.rerank_eval import prompts_of, rerank_examples
 from gr2model.rerank_format import FormatConfig, ItemText, parse_response
 from gr2model.rewards import RewardConfig, rerank_reward
-from tasks.traces import load_format
+from tasks.traces import load_format, load_lists
 from tasks.common import StageConfig, atomic_dir, stage_main, timed
 from tasks.tracking import StageTracker
 
 STAGE = "ar_rl"
 PREPARED = Path("data/prepared")
-CANDIDATES = Path("data/candidates")
 TRACES = Path("data/traces")
 SFT_CHECKPOINT = Path("checkpoints/gr2-sft")
 CHECKPOINT = Path("checkpoints/gr2")
@@ -52,7 +51,7 @@ CONFIG = ArRlConfig
 
 def training_prompts(root: Path, fmt: FormatConfig, items: ItemText, max_prompts: int) -> pl.DataFrame:
     """Training re-ranking examples with their prompt text (the prompts RL and trajectories decode)."""
-    lists = rerank_examples(pl.read_parquet(root / CANDIDATES / "train.parquet"))
+    lists = rerank_examples(load_lists(root, "train"))
     if max_prompts:
         lists = lists.head(max_prompts)
     return lists.with_columns(pl.Series("prompt", prompts_of(lists, items, fmt)))

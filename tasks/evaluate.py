@@ -39,13 +39,12 @@ from gr2model.metrics import bootstrap_ci, per_example_gain
 from gr2model.rerank_format import RERANK_METRIC_NAMES, ItemText, ParsedResponse, rerank_metrics, target_ranks
 from gr2model.ltr_teacher import LTRConfig, LTRTeacher
 from gr2model.teacher import ExpertTeacher
-from tasks.traces import load_format
+from tasks.traces import load_format, load_lists
 from tasks.common import StageConfig, stage_main, timed, write_json_atomic, write_text_atomic
 from tasks.tracking import StageTracker
 
 STAGE = "evaluate"
 PREPARED = Path("data/prepared")
-CANDIDATES = Path("data/candidates")
 TRACES = Path("data/traces")
 METRICS = Path("metrics/evaluate.json")
 REPORT = Path("reports/evaluate.md")
@@ -214,7 +213,7 @@ def run_bench(cfg: EvaluateConfig, root: Path, log: logging.Logger, models: dict
     ds, _ = load_prepared(root / PREPARED)
     items = ItemText(ds.items)
     fmt = load_format(root)
-    lists = rerank_examples(pl.read_parquet(root / CANDIDATES / "test.parquet")).head(cfg.bench.examples)
+    lists = rerank_examples(load_lists(root, "test")).head(cfg.bench.examples)
     gr2, tok = load_hf_checkpoint(root / GR2)
     models = models if models is not None else diffusion_models(root, cfg.naive_block_size)
     racers = {name: models[name][0] for name in cfg.bench.models if name in models}
@@ -241,7 +240,7 @@ def run(cfg: EvaluateConfig, root: Path, log: logging.Logger, tracker: StageTrac
 
     lists = {}
     for name in cfg.splits:
-        df = rerank_examples(pl.read_parquet(root / CANDIDATES / f"{name}.parquet"))
+        df = rerank_examples(load_lists(root, name))
         lists[name] = df.head(cfg.max_examples) if cfg.max_examples else df
     results: dict[str, dict[str, dict[str, Any]]] = {"prerank": {}, "teacher": {}, "random": {}}
     ranks: dict[str, dict[str, np.ndarray]] = {"prerank": {}, "teacher": {}, "random": {}}

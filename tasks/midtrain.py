@@ -43,6 +43,7 @@ from gr2model.teacher import TRACE_WORDS
 from gr2model.tokenizer import build_tokenizer, extend_pretrained_tokenizer, special_ids
 from tasks.common import StageConfig, atomic_dir, stage_main, timed
 from tasks.tracking import StageTracker
+from tasks.traces import load_format
 
 STAGE = "midtrain"
 PREPARED = Path("data/prepared")
@@ -65,21 +66,24 @@ class MidtrainConfig(StageConfig):
 CONFIG = MidtrainConfig
 
 
-def build_tokenizer_for(ds_items: pl.DataFrame, pretrained_path: str | None) -> PreTrainedTokenizerBase:
+def build_tokenizer_for(ds_items: pl.DataFrame, pretrained_path: str | None, max_evidence: int = 0) -> PreTrainedTokenizerBase:
     """Our word-level tokenizer, or the local pretrained one extended with the format's tokens.
 
     Words: the trace vocabulary and the mid-training task words; every later
-    stage reads this tokenizer from the checkpoint.
+    stage reads this tokenizer from the checkpoint. max_evidence: the prompt
+    format's evidence features (their tokens join the vocabulary).
     """
     words = [*TRACE_WORDS, *MIDTRAIN_WORDS]
     if pretrained_path:
-        return extend_pretrained_tokenizer(pretrained_path, ds_items, words)
-    return build_tokenizer(ds_items, words)
+        return extend_pretrained_tokenizer(pretrained_path, ds_items, words, max_evidence=max_evidence)
+    return build_tokenizer(ds_items, words, max_evidence=max_evidence)
 
 
-def build_model_and_tokenizer(cfg: MidtrainConfig, ds_items: pl.DataFrame) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+def build_model_and_tokenizer(
+    cfg: MidtrainConfig, ds_items: pl.DataFrame, max_evidence: int = 0
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """The tokenizer and the model of size `cfg.model` (or the pretrained one, resized to the tokenizer)."""
-    tok = build_tokenizer_for(ds_items, cfg.model.pretrained_path)
+    tok = build_tokenizer_for(ds_items, cfg.model.pretrained_path, max_evidence)
     ids = special_ids(tok)
     model = build_ar_model(cfg.model, len(tok), pad_id=ids["pad"], bos_id=ids["bos"], eos_id=ids["eos"], seed=cfg.seed)
     return model, tok
@@ -98,7 +102,7 @@ def run(cfg: MidtrainConfig, root: Path, log: logging.Logger, tracker: StageTrac
 
     with timed(log, "building the mid-training examples", timings, "build_s"):
         by_task = build_examples(split, ds.items, cfg.tasks, explanations)
-        model, tok = build_model_and_tokenizer(cfg, ds.items)
+        model, tok = build_model_and_tokenizer(cfg, ds.items, len(load_format(root).evidence))
         encoded: list[dict[str, list]] = []
         per_task: dict[str, dict[str, int]] = {}
         for task, examples in by_task.items():

@@ -18,17 +18,18 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
 import polars as pl
+from pydantic import field_validator
 
 from gr2model.candidates import rerank_metrics, write_parquet_atomic
 from gr2model.data import load_prepared
-from gr2model.ltr_teacher import LTRConfig, LTRTeacher
-from gr2model.rerank_format import FormatConfig, ItemText
+from gr2model.ltr_teacher import LTR_FEATURE_NAMES, LTRConfig, LTRTeacher, evidence_values
+from gr2model.rerank_format import MAX_EVIDENCE, FormatConfig, ItemText, evidence_levels, fit_evidence_bins
 from gr2model.teacher import ExpertTeacher, TeacherConfig, generate_traces, teacher_accuracy
 from tasks.common import StageConfig, atomic_dir, stage_main, timed
 from tasks.tracking import StageTracker
@@ -37,6 +38,8 @@ STAGE = "traces"
 PREPARED = Path("data/prepared")
 CANDIDATES = Path("data/candidates")
 OUT_DIR = Path("data/traces")
+EVIDENCE = "evidence"  # data/traces/evidence/<split>.parquet: user_id, position, evidence (K x F levels)
+SPLITS = ("train", "valid", "test")
 METRICS = Path("metrics/traces.json")
 
 
@@ -57,6 +60,22 @@ class TracesConfig(StageConfig):
     max_attributes: int = 3
     answer: Literal["sid", "index"] = "sid"  # recommendations as semantic ids or as incoming positions
     max_examples: int = 0  # 0 = every training re-ranking example; >0 keeps the first N (smoke runs)
+    # Also fit the LTR ranker on the prompt-visible features only (ltr_teacher.PROMPT_FEATURE_NAMES)
+    # and report its accuracy: the ceiling of a student that reads only the prompt.
+    prompt_ceiling: bool = True
+    # Per-candidate evidence written into every prompt (names of ltr_teacher.LTR_FEATURE_NAMES,
+    # at most 8): each becomes one token <ev{f}_{level}>, its level among 8 quantile bins
+    # fitted on the training lists. Empty: the prompt shows only SIDs, attributes and positions.
+    evidence: list[str] = []
+
+    @field_validator("evidence")
+    @classmethod
+    def _known_evidence(cls, names: list[str]) -> list[str]:
+        if unknown := [n for n in names if n not in LTR_FEATURE_NAMES]:
+            raise ValueError(f"unknown features {unknown}; known: {list(LTR_FEATURE_NAMES)}")
+        if len(names) > MAX_EVIDENCE or len(set(names)) != len(names):
+            raise ValueError(f"at most {MAX_EVIDENCE} distinct features, got {names}")
+        return names
 
 
 CONFIG = TracesConfig
@@ -114,6 +133,31 @@ def run(cfg: TracesConfig, root: Path, log: logging.Logger, tracker: StageTracke
         accuracy["teacher"]["recall@1"], accuracy["prerank"]["recall@1"],
         test_accuracy["teacher"]["recall@1"], test_accuracy["prerank"]["recall@1"],
     )  # fmt: skip
+    if cfg.prompt_ceiling:
+        with timed(log, "prompt ceiling: the LTR ranker on the prompt-visible features only", timings, "prompt_ceiling_s"):
+            ceiling = LTRTeacher(expert, replace(cfg.ltr, features="prompt"))
+            ceiling.fit(train, valid, fit_linear=False)
+            accuracy["prompt_ceiling"] = teacher_accuracy(ceiling, valid)
+            test_accuracy["prompt_ceiling"] = teacher_accuracy(ceiling, test)
+        log.info(
+            "R@1 prompt ceiling vs pre-rank: valid %.4f vs %.4f, test %.4f vs %.4f",
+            accuracy["prompt_ceiling"]["recall@1"], accuracy["prerank"]["recall@1"],
+            test_accuracy["prompt_ceiling"]["recall@1"], test_accuracy["prerank"]["recall@1"],
+        )  # fmt: skip
+
+    evidence: dict[str, pl.DataFrame] = {}
+    if cfg.evidence:
+        with timed(log, f"evidence {cfg.evidence} of every list, levels fitted on the training lists", timings, "evidence_s"):
+            lists = {"train": train, "valid": valid, "test": test}
+            values = {name: evidence_values(expert, df, cfg.evidence, cfg.ltr, desc=f"evidence ({name})") for name, df in lists.items()}
+            fmt = replace(fmt, evidence=tuple(cfg.evidence), evidence_bins=fit_evidence_bins(values["train"]))
+            for name, df in lists.items():
+                levels = [evidence_levels(v, fmt.evidence_bins).tolist() for v in values[name]]
+                evidence[name] = df.select("user_id", "position").with_columns(
+                    pl.Series(EVIDENCE, levels, dtype=pl.List(pl.List(pl.Int8)))
+                )
+        log.info("evidence levels: %s", dict(zip(fmt.evidence, fmt.evidence_bins)))
+        train = train.join(evidence["train"], on=["user_id", "position"], how="left", maintain_order="left")
 
     examples = train.filter(pl.col("target_rank") >= 0)
     if cfg.max_examples:
@@ -125,6 +169,9 @@ def run(cfg: TracesConfig, root: Path, log: logging.Logger, tracker: StageTracke
     with atomic_dir(root / OUT_DIR) as out:
         write_parquet_atomic(traces, out / "train.parquet")
         (out / "format.json").write_text(json.dumps(asdict(fmt), indent=2))
+        for name, table in evidence.items():
+            (out / EVIDENCE).mkdir(exist_ok=True)
+            write_parquet_atomic(table, out / EVIDENCE / f"{name}.parquet")
         teacher_info: dict[str, Any] = {"teacher": cfg.teacher, "weights": expert.weights, "evidence_weights": expert.evidence_weights, "config": asdict(tcfg)}
         if isinstance(teacher, LTRTeacher):
             (out / "teacher_ltr.txt").write_text(teacher.model_text())
@@ -152,6 +199,21 @@ def run(cfg: TracesConfig, root: Path, log: logging.Logger, tracker: StageTracke
 def load_format(root: Path) -> FormatConfig:
     """The prompt format the traces were written in (every later stage uses it)."""
     return FormatConfig(**json.loads((root / OUT_DIR / "format.json").read_text()))
+
+
+def load_lists(root: Path, split: str) -> pl.DataFrame:
+    """The candidate lists of `split` (data/candidates/<split>.parquet) with their
+    evidence levels (column `evidence`) when the traces stage wrote them."""
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    lists = pl.read_parquet(root / CANDIDATES / f"{split}.parquet")
+    path = root / OUT_DIR / EVIDENCE / f"{split}.parquet"
+    if not path.exists():
+        return lists
+    ev = pl.read_parquet(path)
+    if ev.height != lists.height:
+        raise ValueError(f"{path}: {ev.height} rows for the {lists.height} lists of {CANDIDATES / split}.parquet; rerun traces")
+    return lists.join(ev, on=["user_id", "position"], how="left", maintain_order="left", validate="1:1")
 
 
 def main() -> None:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import polars as pl
 import pytest
 
 from gr2model.candidates import rerank_metrics
-from gr2model.ltr_teacher import EXTRA_FEATURE_NAMES, LTR_FEATURE_NAMES, SCORE_FEATURE_NAMES, LTRConfig, LTRTeacher
+from gr2model.ltr_teacher import EXTRA_FEATURE_NAMES, LTR_FEATURE_NAMES, PROMPT_FEATURE_NAMES, SCORE_FEATURE_NAMES, LTRConfig, LTRTeacher
 from gr2model.teacher import FEATURE_NAMES, ExpertTeacher, teacher_accuracy
 from test_teacher import N_FOLDS, N_ITEMS, toy_items, toy_lists, toy_split  # tests/ is on sys.path (prepend mode)
 
@@ -61,6 +63,23 @@ def test_fit_learns_the_planted_signal(world) -> None:
     ranking = [row["candidates"][i] for i in np.argsort(-world["teacher"].score(row["history"], row["candidates"], row["cand_scores"]))]
     words = world["teacher"].explain(row["history"], row["candidates"], ranking, np.random.default_rng(0), cand_scores=row["cand_scores"])
     assert words[:3] == ["step", "1", ":"]
+
+
+def test_prompt_features_are_the_prompt_visible_columns(world) -> None:
+    """features="prompt" keeps only what the student's prompt shows; the planted signal
+    lives in co-purchase counts, which the prompt does not show, so that ranker cannot
+    find it (this is the ceiling the traces stage reports as prompt_ceiling)."""
+    full = LTRTeacher(world["teacher"].expert, LTRConfig(score_features=True))
+    visible = LTRTeacher(world["teacher"].expert, dataclasses.replace(FAST, features="prompt"))
+    assert visible.feature_names == PROMPT_FEATURE_NAMES
+    assert not {"co_after", "trans_last", "popularity", "prerank_score"} & set(PROMPT_FEATURE_NAMES)
+    row = world["valid"].row(0, named=True)
+    args = (row["history"], row["candidates"], row["cand_scores"])
+    cols = [LTR_FEATURE_NAMES.index(n) for n in PROMPT_FEATURE_NAMES]
+    np.testing.assert_array_equal(visible.features(*args), full.features(*args)[:, cols])
+    visible.fit(world["train"], world["valid"], fit_linear=False)
+    ceiling = teacher_accuracy(visible, world["valid"])["recall@1"]
+    assert ceiling < teacher_accuracy(world["teacher"], world["valid"])["recall@1"] - 0.1
 
 
 def test_fit_is_deterministic(world) -> None:
@@ -124,6 +143,33 @@ def test_cross_fitted_features_leave_the_fold_out() -> None:
         assert not np.isclose(own[0, i], everyone[0, i]), f
     with pytest.raises(ValueError, match="fold"):
         teacher.features([5, 7], cands, scores, fold=7)
+
+
+def test_evidence_values_are_the_named_features_with_the_lists_fold() -> None:
+    """The prompt's evidence of a cross-fitted training list is computed without
+    its fold, exactly as the teacher's features: its own target transition never shows."""
+    from gr2model.ltr_teacher import evidence_values
+
+    items = toy_items()
+    seqs = [[7, 12, 30], [7, 12, 40]] + [[20 + i, 40 + i, 21 + i] for i in range(10)]
+    folds = [0, 0] + [1 + i % 2 for i in range(10)]
+    expert = ExpertTeacher(items, seqs, N_ITEMS, folds=folds)
+    schema = {"history": pl.List(pl.Int64), "candidates": pl.List(pl.Int64), "cand_scores": pl.List(pl.Float64), "fold": pl.Int64}
+    lists = pl.DataFrame(
+        {"history": [[5, 7], [5, 7]], "candidates": [[12, 17, 50, 3]] * 2, "cand_scores": [[0.0, -1.0, -2.0, -3.0]] * 2, "fold": [0, 1]},
+        schema=schema,
+    )
+    names = ["co_after_all", "prerank_score", "score_gap_next"]  # a score feature too: evidence may use any
+    values = evidence_values(expert, lists, names, desc=None)
+    full = LTRTeacher(expert, LTRConfig(score_features=True))
+    cols = [full.feature_names.index(n) for n in names]
+    for row, fold in enumerate([0, 1]):
+        want = full.features([5, 7], [12, 17, 50, 3], [0.0, -1.0, -2.0, -3.0], fold=fold)[:, cols]
+        assert values[row].shape == (4, 3)
+        np.testing.assert_array_equal(values[row], want)
+    assert values[0][0, 0] == 0.0 < values[1][0, 0]  # fold 0 holds the only 7 -> 12 transitions
+    with pytest.raises(ValueError, match="unknown evidence"):
+        evidence_values(expert, lists, ["no_such_feature"], desc=None)
 
 
 def test_score_before_fit_raises() -> None:

@@ -298,3 +298,62 @@ def test_index_response_needs_the_candidates(items: ItemText) -> None:
         build_response(["x"], [3, 4], items, fmt=INDEX, candidates=[3, 5])
     with pytest.raises(ValueError, match="answer"):
         FormatConfig(answer="json")
+
+
+# ----------------------------------------------------------------------- evidence
+
+EV_FMT = FormatConfig(answer="index", with_attributes=False, evidence=("co", "score"), evidence_bins=((0.0, 1.0), (-1.0,)))
+
+
+def test_evidence_prompt_exact_text(items: ItemText) -> None:
+    # Each candidate's evidence levels come right after its position token, one token per feature.
+    p = build_prompt([1], [3, 5], items, EV_FMT, evidence=[[2, 0], [0, 1]])
+    assert p == (
+        "<|user|> history : <a_1> <b_11> <c_21> <d_1> candidates : "
+        "<pos_1> <ev1_2> <ev2_0> <a_3> <b_13> <c_23> <d_0> <pos_2> <ev1_0> <ev2_1> <a_5> <b_15> <c_25> <d_2> <|assistant|>"
+    )
+    # Without evidence in the format the prompt is the old one, and evidence is refused.
+    plain = FormatConfig(answer="index", with_attributes=False)
+    assert "<ev" not in build_prompt([1], [3, 5], items, plain)
+    with pytest.raises(ValueError, match="writes none"):
+        build_prompt([1], [3, 5], items, plain, evidence=[[0, 0], [0, 0]])
+
+
+@pytest.mark.parametrize("evidence", [None, [[0, 0]], [[0], [0]], [[0, 0], [0, 8]]])
+def test_evidence_prompt_rejects_missing_or_malformed_levels(items: ItemText, evidence) -> None:
+    with pytest.raises(ValueError):
+        build_prompt([1], [3, 5], items, EV_FMT, evidence=evidence)
+
+
+def test_evidence_format_round_trips_through_json_and_validates() -> None:
+    from dataclasses import asdict
+
+    again = FormatConfig(**json.loads(json.dumps(asdict(EV_FMT))))
+    assert again == EV_FMT and again.evidence_bins == ((0.0, 1.0), (-1.0,))
+    with pytest.raises(ValueError, match="threshold lists"):
+        FormatConfig(evidence=("co",))
+    with pytest.raises(ValueError, match="ascending"):
+        FormatConfig(evidence=("co",), evidence_bins=((1.0, 0.0),))
+    with pytest.raises(ValueError, match="repeated"):
+        FormatConfig(evidence=("co", "co"), evidence_bins=((), ()))
+
+
+def test_evidence_levels_and_fitted_bins() -> None:
+    import numpy as np
+
+    from gr2model.rerank_format import EVIDENCE_LEVELS, evidence_levels, fit_evidence_bins
+
+    rng = np.random.default_rng(0)
+    # Feature 0: continuous, cut into EVIDENCE_LEVELS levels of equal mass; feature 1:
+    # zero for 80% of the candidates: the zeros get a level of their own.
+    values = [np.stack([rng.normal(size=10), np.where(rng.random(10) < 0.8, 0.0, rng.random(10) + 1)], axis=1) for _ in range(400)]
+    bins = fit_evidence_bins(values)
+    assert len(bins[0]) == EVIDENCE_LEVELS - 1 and len(bins[1]) == EVIDENCE_LEVELS - 1
+    levels = np.concatenate([evidence_levels(v, bins) for v in values])
+    counts = np.bincount(levels[:, 0], minlength=EVIDENCE_LEVELS)
+    assert counts.min() > 0.8 * len(levels) / EVIDENCE_LEVELS
+    zeros = np.concatenate(values)[:, 1] == 0
+    assert len(set(levels[zeros, 1])) == 1 and levels[~zeros, 1].min() > levels[zeros, 1][0]
+    assert evidence_levels(np.array([[bins[0][0], 0.0]]), bins)[0, 0] == 1  # a threshold reached counts
+    with pytest.raises(ValueError, match="shape"):
+        evidence_levels(np.zeros((3, 1)), bins)

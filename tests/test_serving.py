@@ -101,12 +101,16 @@ def served(smoke_run: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) 
             if time.monotonic() > deadline:
                 pytest.fail(f"server not ready after {STARTUP_TIMEOUT_S} s:\n{log_path.read_text()[-3000:]}")
             time.sleep(0.5)
-        rows = pl.read_parquet(ws / "data/candidates/test.parquet").head(2)
+        from tasks.traces import load_lists
+
+        lists = load_lists(ws, "test").head(2)
+        # The lists' evidence levels go with the request when the model's prompts carry them.
+        keys = ["history", "candidates"] + (["evidence"] if "evidence" in lists.columns else [])
         yield {
             "url": url,
             "name": name,
             "version": decision.version,
-            "rows": [{"history": h, "candidates": c} for h, c in zip(rows["history"].to_list(), rows["candidates"].to_list(), strict=True)],
+            "rows": lists.select(keys).to_dicts(),
             "max_item": int(pl.read_parquet(ws / "data/prepared/items.parquet")["item_id"].max()),
             "proc": proc,
         }
@@ -126,7 +130,7 @@ def test_served_champion_ranks_real_requests(served: dict[str, Any]) -> None:
         assert sorted(pred["ranking"]) == sorted(row["candidates"])  # a permutation, even when the answer was invalid
         assert isinstance(pred["valid"], bool) and isinstance(pred["explanation"], str)
     # the other JSON layout (columns) gives the same kind of answer
-    cols = {"history": [rows[0]["history"]], "candidates": [rows[0]["candidates"]]}
+    cols = {k: [v] for k, v in rows[0].items()}
     status, body = _post(f"{served['url']}/invocations", {"inputs": cols, "params": {"max_new_tokens": 8, "tau": 0.5}})
     assert status == 200, body
     assert sorted(body["predictions"][0]["ranking"]) == sorted(rows[0]["candidates"])
@@ -137,8 +141,17 @@ def _bad_requests(served: dict[str, Any]) -> dict[str, tuple[Any, str]]:
     row = served["rows"][0]
     h, c = row["history"], row["candidates"]
     unknown = served["max_item"] + 1000
-    rec = lambda **kw: {"dataframe_records": [{"history": h, "candidates": c, **kw}]}  # noqa: E731
+    rec = lambda **kw: {"dataframe_records": [{**row, **kw}]}  # noqa: E731
+    if "evidence" in row:
+        ev = row["evidence"]
+        extra = {
+            "evidence missing": ({"dataframe_records": [{"history": h, "candidates": c}]}, "row 0: evidence: missing"),
+            "evidence for too few candidates": (rec(evidence=ev[:-1]), "row 0: evidence: malformed"),
+        }
+    else:
+        extra = {"evidence to a model without": (rec(evidence=[[0]] * len(c)), "carry no evidence")}
     return {
+        **extra,
         "unknown candidate": (rec(candidates=[*c[:-1], unknown]), f"row 0: candidates: unknown item ids [{unknown}]"),
         "unknown history item": (rec(history=[*h, unknown]), f"row 0: history: unknown item ids [{unknown}]"),
         "too few candidates": (rec(candidates=c[:-1]), f"row 0: candidates: {len(c) - 1} items; the model ranks exactly {len(c)}"),
@@ -232,3 +245,28 @@ def test_request_params_are_checked() -> None:
     for bad, says in [({"tau": 0}, "tau must be"), ({"max_new_tokens": 0}, "max_new_tokens must be"), ({"max_new_tokens": True}, "max_new_tokens"), ({"beam": 4}, "unknown key 'beam'")]:
         with pytest.raises(MlflowException, match=says):
             rerank_params(bad)
+
+
+def test_evidence_is_checked_against_the_models_format() -> None:
+    import pandas as pd
+    from mlflow.exceptions import MlflowException
+
+    from flows.registry import validate_rerank_evidence
+
+    cands = [CANDS[:3]]
+    good = [[0, 7], [1, 2], [3, 3]]
+    assert validate_rerank_evidence(pd.DataFrame({"history": [[1]], "candidates": cands, "evidence": [good]}), cands, 2) == [good]
+    # A model without evidence needs none and refuses it; one with evidence needs it for every row.
+    assert validate_rerank_evidence([{"history": [1], "candidates": cands[0]}], cands, 0) is None
+    cases = {
+        "refused": ([{"history": [1], "candidates": cands[0], "evidence": good}], 0, "carry no evidence"),
+        "missing": ([{"history": [1], "candidates": cands[0]}], 2, "row 0: evidence: missing"),
+        "too few candidates": ([{"history": [1], "candidates": cands[0], "evidence": good[:2]}], 2, "row 0: evidence: malformed"),
+        "level too high": ([{"history": [1], "candidates": cands[0], "evidence": [[0, 8], [1, 2], [3, 3]]}], 2, "in 0..7"),
+        "not integers": ([{"history": [1], "candidates": cands[0], "evidence": [[0.5, 1], [1, 2], [3, 3]]}], 2, "malformed"),
+        "a string": ([{"history": [1], "candidates": cands[0], "evidence": "0 1"}], 2, "malformed"),
+    }
+    for name, (rows, n_features, expected) in cases.items():
+        with pytest.raises(MlflowException) as err:
+            validate_rerank_evidence(rows, cands, n_features)
+        assert err.value.get_http_status_code() == 400 and expected in err.value.message, name

@@ -80,6 +80,22 @@ def test_words_order_does_not_matter_and_bad_words_are_refused(table: pl.DataFra
     assert len(format_tokens(table.head(3))) == len(format_tokens(table)) - 45 - 9
 
 
+def test_evidence_tokens_join_the_vocabulary_only_when_asked(table: pl.DataFrame) -> None:
+    from gr2model.rerank_format import EVIDENCE_LEVELS
+
+    with_ev = build_tokenizer(table, WORDS, max_evidence=3)
+    plain = build_tokenizer(table, WORDS)
+    assert len(with_ev) == len(plain) + 3 * EVIDENCE_LEVELS
+    assert "<ev1_0>" not in plain.get_vocab()
+    fmt = FormatConfig(answer="index", evidence=("a", "b", "c"), evidence_bins=((0.0,), (), (1.0, 2.0)))
+    prompt = build_prompt([2, 4], [3, 12], ItemText(table), fmt, evidence=[[1, 0, 2], [0, 0, 7]])
+    ids = with_ev(prompt).input_ids
+    assert with_ev.unk_token_id not in ids and len(ids) == len(prompt.split(" "))
+    assert with_ev.decode(ids, skip_special_tokens=False) == prompt
+    with pytest.raises(ValueError, match="max_evidence"):
+        build_tokenizer(table, WORDS, max_evidence=9)
+
+
 def test_round_trip_text_ids_text(tok: PreTrainedTokenizerFast, table: pl.DataFrame) -> None:
     for text in texts(table):
         ids = tok(text).input_ids
