@@ -127,7 +127,10 @@ class LTRConfig:
         improved for this many trees; the best iteration is kept.
     eval_metric: the validation metric of early stopping ("ndcg@1", "ndcg@3", "map@10").
     features: "all" (LTR_FEATURE_NAMES), "base" (the expert's 10 FEATURE_NAMES) or
-        "prompt" (PROMPT_FEATURE_NAMES: what the student's prompt shows).
+        "prompt" (PROMPT_FEATURE_NAMES: what the student's prompt shows, plus
+        `prompt_evidence`).
+    prompt_evidence: with "prompt", the evidence features the prompt writes too
+        (traces.evidence), at full precision rather than in levels.
     score_features: with "all", keep SCORE_FEATURE_NAMES too (see there why not by default).
     long_decay: weight long_decay**j of the j-th most recent item in the
         whole-history co-purchase features.
@@ -147,6 +150,7 @@ class LTRConfig:
     early_stopping_rounds: int = 50
     eval_metric: Literal["ndcg@1", "ndcg@3", "map@10"] = "ndcg@3"
     features: Literal["all", "base", "prompt"] = "all"
+    prompt_evidence: tuple[str, ...] = ()
     score_features: bool = False
     long_decay: float = 0.8
     max_history: int = 50
@@ -180,6 +184,8 @@ class LTRConfig:
             raise ValueError(f"long_decay must lie in (0, 1], got {self.long_decay}")
         if self.max_history < 1:
             raise ValueError(f"max_history must be >= 1, got {self.max_history}")
+        if unknown := [n for n in self.prompt_evidence if n not in LTR_FEATURE_NAMES]:
+            raise ValueError(f"prompt_evidence: unknown features {unknown}")
 
 
 @dataclass(frozen=True)
@@ -361,7 +367,7 @@ class LTRTeacher:
         if self.cfg.features == "base":
             return FEATURE_NAMES
         if self.cfg.features == "prompt":
-            return PROMPT_FEATURE_NAMES
+            return PROMPT_FEATURE_NAMES + tuple(n for n in self.cfg.prompt_evidence if n not in PROMPT_FEATURE_NAMES)
         if self.cfg.score_features:
             return LTR_FEATURE_NAMES
         return FEATURE_NAMES + tuple(n for n in EXTRA_FEATURE_NAMES if n not in SCORE_FEATURE_NAMES)
@@ -397,7 +403,7 @@ class LTRTeacher:
         )  # fmt: skip
         if self.cfg.features == "prompt":
             full = np.concatenate([base, extra], axis=1)
-            return full[:, [_ALL[n] for n in PROMPT_FEATURE_NAMES]]
+            return full[:, [_ALL[n] for n in self.feature_names]]
         if not self.cfg.score_features:
             extra = extra[:, self._extra_keep]
         return np.concatenate([base, extra], axis=1)

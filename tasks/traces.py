@@ -134,17 +134,20 @@ def run(cfg: TracesConfig, root: Path, log: logging.Logger, tracker: StageTracke
         test_accuracy["teacher"]["recall@1"], test_accuracy["prerank"]["recall@1"],
     )  # fmt: skip
     if cfg.prompt_ceiling:
-        with timed(log, "prompt ceiling: the LTR ranker on the prompt-visible features only", timings, "prompt_ceiling_s"):
-            ceiling = LTRTeacher(expert, replace(cfg.ltr, features="prompt"))
-            ceiling.fit(train, valid, fit_linear=False)
-            accuracy["prompt_ceiling"] = teacher_accuracy(ceiling, valid)
-            test_accuracy["prompt_ceiling"] = teacher_accuracy(ceiling, test)
-        log.info(
-            "R@1 prompt ceiling vs pre-rank: valid %.4f vs %.4f, test %.4f vs %.4f",
-            accuracy["prompt_ceiling"]["recall@1"], accuracy["prerank"]["recall@1"],
-            test_accuracy["prompt_ceiling"]["recall@1"], test_accuracy["prerank"]["recall@1"],
-        )  # fmt: skip
-
+        # What a student that reads only the prompt could gain: without evidence, and
+        # with the evidence the prompt writes (when traces.evidence names any).
+        ceilings = {"prompt_ceiling": ()} | ({"prompt_evidence_ceiling": tuple(cfg.evidence)} if cfg.evidence else {})
+        for key, names in ceilings.items():
+            with timed(log, f"{key}: the LTR ranker on the prompt-visible features{' + evidence' if names else ''}", timings, f"{key}_s"):
+                ceiling = LTRTeacher(expert, replace(cfg.ltr, features="prompt", prompt_evidence=names))
+                ceiling.fit(train, valid, fit_linear=False)
+                accuracy[key] = teacher_accuracy(ceiling, valid)
+                test_accuracy[key] = teacher_accuracy(ceiling, test)
+            log.info(
+                "R@1 %s vs pre-rank: valid %.4f vs %.4f, test %.4f vs %.4f", key,
+                accuracy[key]["recall@1"], accuracy["prerank"]["recall@1"],
+                test_accuracy[key]["recall@1"], test_accuracy["prerank"]["recall@1"],
+            )  # fmt: skip
     evidence: dict[str, pl.DataFrame] = {}
     if cfg.evidence:
         with timed(log, f"evidence {cfg.evidence} of every list, levels fitted on the training lists", timings, "evidence_s"):

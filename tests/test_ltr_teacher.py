@@ -80,6 +80,11 @@ def test_prompt_features_are_the_prompt_visible_columns(world) -> None:
     visible.fit(world["train"], world["valid"], fit_linear=False)
     ceiling = teacher_accuracy(visible, world["valid"])["recall@1"]
     assert ceiling < teacher_accuracy(world["teacher"], world["valid"])["recall@1"] - 0.1
+    # With the co-purchase evidence written into the prompt, the signal is back in reach.
+    told = LTRTeacher(world["teacher"].expert, dataclasses.replace(FAST, features="prompt", prompt_evidence=("co_last",)))
+    assert told.feature_names == (*PROMPT_FEATURE_NAMES, "co_last")
+    told.fit(world["train"], world["valid"], fit_linear=False)
+    assert teacher_accuracy(told, world["valid"])["recall@1"] > ceiling + 0.1
 
 
 def test_fit_is_deterministic(world) -> None:
