@@ -8,10 +8,12 @@ examples greedily, at the model's real reasoning length, and its answers go
 through the shared parser, so each speed row also carries the accuracy and
 validity it was bought at.
 
-Rows (one per decoder, model, threshold and batch size):
+Rows (one per decoder, model, threshold, sub-block size and batch size):
     decoder: "ar" (our loop), "hf" (HF generate) or "diffusion"
     model: the model's name (e.g. "gr2", "dgr2-cft")
     tau: the commit threshold (None for AR)
+    sub_block_size: the diffusion decoder's sub-block size (None: whole
+        blocks, and for AR); rows with one come only when asked for
     batch_size, n (examples), seconds (decode time, tokenisation excluded)
     tokens_per_s: generated tokens (eos included) per second of decoding
     speedup: tokens_per_s / the best AR tokens_per_s at this batch size
@@ -41,18 +43,22 @@ from gr2model.rerank_format import FormatConfig, ItemText, rerank_metrics
 log = logging.getLogger(__name__)
 
 SPEED_FIELDS = (
-    "decoder", "model", "tau", "batch_size", "n", "seconds", "tokens_per_s", "speedup", "nfe_per_token",
+    "decoder", "model", "tau", "sub_block_size", "batch_size", "n", "seconds", "tokens_per_s", "speedup", "nfe_per_token",
     "tokens_per_forward", "response_tokens", "recall@1", "ndcg@3", "valid_format_rate", "valid_permutation_rate",
 )  # fmt: skip
 
 
-def _row(decoder: str, model: str, tau: float | None, batch_size: int, out: LMRerankResult, targets: Sequence[int]) -> dict[str, Any]:
+def _row(
+    decoder: str, model: str, tau: float | None, batch_size: int, out: LMRerankResult, targets: Sequence[int],
+    sub_block_size: int | None = None,
+) -> dict[str, Any]:
     m = rerank_metrics(out.parsed, targets)
     tokens = max(out.generated_tokens, 1)
     return {
         "decoder": decoder,
         "model": model,
         "tau": tau,
+        "sub_block_size": sub_block_size,
         "batch_size": batch_size,
         "n": len(out.parsed),
         "seconds": out.seconds,
@@ -81,6 +87,7 @@ def decode_benchmark(
     max_new_tokens: int,
     ar_name: str = "gr2",
     on_row: Callable[[dict[str, Any]], None] | None = None,
+    sub_block_sizes: Sequence[int] = (),
 ) -> list[dict[str, Any]]:
     """Decode `lists` with every decoder, threshold and batch size; one row each (module docstring).
 
@@ -93,10 +100,16 @@ def decode_benchmark(
         taus: commit thresholds of the diffusion decoder.
         batch_sizes: batch sizes to measure (AR and diffusion alike).
         on_row: called with each row as soon as it is measured (progress).
+        sub_block_sizes: besides the whole-block rows, one more row per
+            diffusion model, threshold and S here, decoded with
+            sub_block_size=S; a model whose block size S does not divide is
+            skipped for that S (logged). Empty (default): no such rows.
     Returns:
         The rows, AR first within each batch size; `speedup` is relative to the
         faster of "ar" and "hf" at the same batch size.
     """
+    if any(s < 1 for s in sub_block_sizes):
+        raise ValueError(f"sub_block_sizes must be >= 1, got {list(sub_block_sizes)}")
     targets = lists["target"].to_list()
     rows: list[dict[str, Any]] = []
     for bs in batch_sizes:
@@ -112,23 +125,37 @@ def decode_benchmark(
                 on_row(r)  # after the speed-up is known
         for name, model in diffusion_models.items():
             block_size, mask_id = block_diffusion_settings(model)
+            subs: list[int | None] = [None]
+            for sub in sub_block_sizes:
+                if block_size % sub == 0:
+                    subs.append(sub)
+                else:
+                    log.warning("bench %s: sub-block size %d does not divide block size %d, skipped", name, sub, block_size)
             for tau in taus:
-                out = lm_rerank(
-                    model, tok, lists, items, fmt, decoder=diffusion_generate, desc=f"bench {name} tau {tau} b{bs}",
-                    mask_id=mask_id, block_size=block_size, threshold=tau, **common,
-                )  # fmt: skip
-                row = _row("diffusion", name, tau, bs, out, targets)
-                row["speedup"] = row["tokens_per_s"] / best_ar
-                batch_rows.append(row)
-                if on_row:
-                    on_row(row)
+                for sub in subs:
+                    tag = "" if sub is None else f" s{sub}"
+                    out = lm_rerank(
+                        model, tok, lists, items, fmt, decoder=diffusion_generate,
+                        desc=f"bench {name} tau {tau}{tag} b{bs}", mask_id=mask_id, block_size=block_size,
+                        threshold=tau, sub_block_size=sub, **common,
+                    )  # fmt: skip
+                    row = _row("diffusion", name, tau, bs, out, targets, sub_block_size=sub)
+                    row["speedup"] = row["tokens_per_s"] / best_ar
+                    batch_rows.append(row)
+                    if on_row:
+                        on_row(row)
         rows.extend(batch_rows)
     return rows
 
 
 def speed_table(rows: Sequence[Mapping[str, Any]]) -> str:
-    """The rows as a markdown table (the benchmark's printed and reported form)."""
-    cols = ("decoder", "model", "tau", "batch_size", "tokens_per_s", "speedup", "nfe_per_token", "response_tokens", "recall@1", "valid_format_rate")
+    """The rows as a markdown table (the benchmark's printed and reported form).
+
+    A sub_block_size column only when some row has one (the default table is unchanged).
+    """
+    cols: tuple[str, ...] = ("decoder", "model", "tau", "batch_size", "tokens_per_s", "speedup", "nfe_per_token", "response_tokens", "recall@1", "valid_format_rate")
+    if any(r.get("sub_block_size") is not None for r in rows):
+        cols = cols[:3] + ("sub_block_size",) + cols[3:]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
         cells = []

@@ -27,6 +27,46 @@ is built from each slot's position id and validity rather than its column.
 Rows that commit eos (with every position before it committed) or reach
 `max_new_tokens` leave the batch, cache included.
 
+Sub-blocks (`sub_block_size` S, a divisor of B; Fast-dLLM v2): a block is
+decoded S positions at a time, left to right. Each step, a row may only commit
+inside its current sub-block (the leftmost one with a position still open:
+masked, within `max_new_tokens`, not after a committed eos), by the same
+threshold rule restricted to it, at least one token per step. The forward
+itself is unchanged: it covers the whole active block (finished sub-blocks,
+the current one and the later, all-mask ones) with the block's bidirectional
+attention, as the model was trained, so a step sees exactly the canvas the
+replay of `gr2model.diffusion_replay` rebuilds. Only the logits of the current
+sub-block are computed (the LM head and `propose` over S positions instead of
+B, per row at its own offset). Finished sub-blocks are not cached: inside the
+block attention is bidirectional, so their keys/values above the first layer
+depend on the current sub-block's tokens, which change every step; caching
+them (Fast-dLLM's approximate sub-block cache) would change the outputs and
+break the exact replay, and dropping the later all-mask sub-blocks from the
+forward would show the model canvases it was not trained on. With S = B the
+window is the whole block: the same tokens as S = None.
+Measured with the setup of the whole-block table below (B = 32, 200 new tokens;
+the machine was busier: AR ran at 116 tok/s at batch 1, 243 at batch 8;
+batch 1 medians of 3 interleaved runs, batch 8 one run, so +-20% or worse),
+tokens per forward per row and x AR:
+
+    threshold  S     tok/fwd   x AR, batch 1   x AR, batch 8
+    0.9        None    1.00      0.46            0.22
+    0.9        32      1.00      0.51            0.32
+    0.9        16      1.00      0.47            0.46
+    0.9        8       1.00      0.49            0.47
+    0.9        4       1.00      0.54            0.59
+    0          None   28.57      9.3             7.6
+    0          32     28.57     10.1             6.7
+    0          16     15.38      5.9             4.7
+    0          8       8.00      3.5             2.9
+    0          4       4.00      1.9             2.1
+
+Random weights never reach 0.9, so there every S commits one token per
+forward; a smaller S is then somewhat faster (logits and `propose` over S
+positions, not B). At threshold 0 a forward commits a whole window, so S caps
+tokens per forward at S: sub-blocks trade parallelism for committing left to
+right (whether that buys accuracy has to be measured on trained models).
+
 How many tokens a forward commits depends on the model's confidence, so speed
 is measured at the two ends: threshold 0 (a whole block per forward) and > 1
 (one token per forward). CPU, 1 thread, on the 2-core machine shared with a
@@ -81,7 +121,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from gr2model.ar_decode import DecodeOutput, _left_pad_positions, left_pad
 from gr2model.block_diffusion import block_diffusion_mask
 
-__all__ = ["DiffusionDecodeOutput", "commit_mask", "propose", "diffusion_generate"]
+__all__ = ["DiffusionDecodeOutput", "check_sub_block_size", "commit_mask", "propose", "diffusion_generate"]
 
 
 @dataclass
@@ -171,6 +211,18 @@ def propose(
     return tokens, probs.gather(-1, tokens[..., None]).squeeze(-1)
 
 
+def check_sub_block_size(block_size: int, sub_block_size: int | None) -> None:
+    """Raise ValueError unless `sub_block_size` is None or a divisor >= 1 of `block_size`.
+
+    Sub-blocks tile the block exactly: a partial last sub-block would be a
+    window of another size, which the decoder does not have.
+    """
+    if sub_block_size is None:
+        return
+    if sub_block_size < 1 or block_size % sub_block_size != 0:
+        raise ValueError(f"sub_block_size must be >= 1 and divide block_size {block_size}, got {sub_block_size}")
+
+
 class _WritePlan:
     """Where the current forward writes its keys/values, shared by all cache layers.
 
@@ -253,7 +305,8 @@ class _CachedForward:
     """
 
     def __init__(
-        self, model: PreTrainedModel, ids: torch.Tensor, attn: torch.Tensor, block_size: int, span: int, mask_id: int
+        self, model: PreTrainedModel, ids: torch.Tensor, attn: torch.Tensor, block_size: int, span: int, mask_id: int,
+        window: int,
     ) -> None:
         self.model = model
         self.ids, self.attn = ids, attn.bool()
@@ -276,8 +329,13 @@ class _CachedForward:
         self.kept_t = torch.full((rows,), self.prompt_len, dtype=torch.long, device=device)
         self.first: torch.Tensor | None = None  # (N, V) logits predicting each active block's position 0
         self.arange_b = torch.arange(block_size, device=device)
-        self.keep_prefill = torch.arange(self.prompt_len - 1, self.prompt_len - 1 + block_size, device=device)
-        self.keep_ctx = torch.arange(block_size - 1, 2 * block_size - 1, device=device)
+        # Logits are computed for `window` positions of each active block (the
+        # whole block, or the current sub-block at offset `off`): the LM head
+        # and `propose` cost W rather than B positions. The prefill and every
+        # just-started block are at offset 0.
+        self.arange_w = torch.arange(window, device=device)
+        self.keep_prefill = torch.arange(self.prompt_len - 1, self.prompt_len - 1 + window, device=device)
+        self.keep_ctx = torch.arange(block_size - 1, block_size - 1 + window, device=device)
         self.keep_denoise = torch.arange(0, block_size - 1, device=device)
 
     def select(self, alive: torch.Tensor, alive_list: list[int]) -> None:
@@ -298,12 +356,16 @@ class _CachedForward:
 
     def __call__(
         self, resp: torch.Tensor, start: torch.Tensor, plen: torch.Tensor, ctx: torch.Tensor | None,
-        ctx_list: list[bool] | None,
+        ctx_list: list[bool] | None, off: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """(N, B, V) logits predicting the N active blocks' positions (token shift applied).
+        """(N, W, V) logits predicting the N active blocks' positions (token shift applied).
 
         ctx: None for the prefill; else (N,) bool, the rows whose block just
         finished (`start` already points at their next block), or all False.
+        off: None, the window is the whole block (W = B); else (N,) long, each
+        row's window (its current sub-block, W = S) starts at block position
+        off (0 for the prefill and for rows with ctx). The forward covers the
+        whole block either way: only which logits are kept depends on it.
         """
         bsz, n_act = self.block_size, self.n_act
         rows = resp.shape[0]
@@ -345,9 +407,17 @@ class _CachedForward:
                 plan.start, plan.columns = None, kept + ar
             plan.width = width
             mask = self.slot_valid[:, None, None, :width]
-            logits = self._run(act_tok, mask, act_pos, self.keep_denoise)
             assert self.first is not None
-            return torch.cat([self.first[:, None], logits], dim=1)
+            if off is None:
+                logits = self._run(act_tok, mask, act_pos, self.keep_denoise)
+                return torch.cat([self.first[:, None], logits], dim=1)
+            # Window position i (block position off + i) is predicted at active
+            # column off + i - 1; block position 0 (off = 0, i = 0) by the kept
+            # `first` instead (clamped to column 0 here, then overwritten).
+            keep = (off[:, None] - 1 + self.arange_w).clamp(min=0)
+            logits = self._run(act_tok, mask, act_pos, keep)
+            logits[:, 0] = torch.where((off == 0)[:, None], self.first, logits[:, 0])
+            return logits
 
         # A forward carrying the just-finished blocks (rows with ctx) and the
         # active blocks. A row without a finished block puts an invalid dummy
@@ -373,6 +443,7 @@ class _CachedForward:
             self.slot_valid[:, start0:width] = valid
             mask = self.slot_valid[:, None, None, :width].repeat(1, 1, bsz + n_act, 1)
             mask[:, :, :bsz, start0 + bsz :] = False
+            # Every row starts a block here, so every window is at offset 0.
             logits = self._run(input_ids, mask, pos, self.keep_ctx)
             self.first = logits[:, 0].clone()  # see the prefill
         else:
@@ -382,11 +453,18 @@ class _CachedForward:
             mask = block_diffusion_mask(
                 pos, valid, cols, self.slot_pos[:, :width], self.slot_valid[:, :width], plen, bsz
             )
-            logits = self._run(input_ids, mask, pos, self.keep_ctx)
+            # A row with ctx has off = 0; a row without reads its active block
+            # at columns B + j, so window position i at B - 1 + off + i.
+            keep = self.keep_ctx if off is None else self.keep_ctx[None] + off[:, None]
+            logits = self._run(input_ids, mask, pos, keep)
             assert self.first is not None
             # Rows without a finished block keep their block's position-0 logits.
             self.first = torch.where(ctx_col, logits[:, 0], self.first)
-            logits[:, 0] = self.first
+            if off is None:
+                logits[:, 0] = self.first
+            else:
+                # ... where their window holds position 0 (a row with ctx has off = 0).
+                logits[:, 0] = torch.where((off == 0)[:, None], self.first, logits[:, 0])
         # The finished blocks stay in the cache; the active ones will be rewritten.
         self.kept = [k + bsz if c else k for k, c in zip(self.kept, ctx_list)]
         self.kept_t = self.kept_t + bsz * ctx.long()
@@ -401,19 +479,22 @@ class _RecomputeForward:
     block, right-padded to the longest; the full block-causal mask applies.
     """
 
-    def __init__(self, model: PreTrainedModel, ids: torch.Tensor, attn: torch.Tensor, block_size: int) -> None:
+    def __init__(
+        self, model: PreTrainedModel, ids: torch.Tensor, attn: torch.Tensor, block_size: int, window: int
+    ) -> None:
         self.model = model
         self.ids, self.attn = ids, attn.bool()
         self.prompt_pos = _left_pad_positions(attn)
-        self.block_size = block_size
+        self.block_size, self.window = block_size, window
 
     def select(self, alive: torch.Tensor, alive_list: list[int]) -> None:
         self.ids, self.attn, self.prompt_pos = self.ids[alive], self.attn[alive], self.prompt_pos[alive]
 
     def __call__(
         self, resp: torch.Tensor, start: torch.Tensor, plen: torch.Tensor, ctx: torch.Tensor | None,
-        ctx_list: list[bool] | None,
+        ctx_list: list[bool] | None, off: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """(N, W, V) logits, as `_CachedForward.__call__` (ctx is not needed without a cache)."""
         bsz = self.block_size
         rows, prompt_len = self.ids.shape
         span = int(start.max()) + bsz
@@ -425,6 +506,8 @@ class _RecomputeForward:
         mask = block_diffusion_mask(pos, valid, cols, pos, valid, plen, bsz)
         # Token shift: block position i is predicted at column prompt_len + start + i - 1.
         keep = prompt_len - 1 + start[:, None] + torch.arange(bsz, device=resp.device)
+        if off is not None:
+            keep = keep[:, : self.window] + off[:, None]
         return self.model(
             input_ids=input_ids, attention_mask=mask, position_ids=pos, use_cache=False, logits_to_keep=keep
         ).logits
@@ -446,6 +529,7 @@ def diffusion_generate(
     generator: torch.Generator | None = None,
     return_trace: bool = False,
     return_logprobs: bool = False,
+    sub_block_size: int | None = None,
 ) -> DiffusionDecodeOutput:
     """Decode up to `max_new_tokens` tokens after each prompt by block diffusion, batched.
 
@@ -476,7 +560,13 @@ def diffusion_generate(
         return_logprobs: also return each committed token's log-probability
             under the raw logits of the forward that committed it (`logprobs`,
             and `tail_logprobs` with return_trace): one logsumexp over the
-            (N, B, V) logits per step.
+            (N, W, V) logits per step (W = B, or S with sub-blocks).
+        sub_block_size: None decodes the whole block at once. S (a divisor of
+            B) decodes it sub-block by sub-block (Fast-dLLM v2): each step may
+            only commit masked positions of the row's leftmost sub-block that
+            still has one (the threshold rule inside it, at least one per step);
+            the forward still covers the whole block (module docstring).
+            S = B is the same as None. Raises ValueError if S does not divide B.
     Returns:
         DiffusionDecodeOutput: sequences, nfe (every forward, the prefill
         included), generated_tokens, seconds, steps and tails with
@@ -485,6 +575,7 @@ def diffusion_generate(
     start_time = time.perf_counter()
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
+    check_sub_block_size(block_size, sub_block_size)
     device = next(model.parameters()).device
     ids, attn = left_pad(prompts, pad_id, device)
     batch = ids.shape[0]
@@ -500,11 +591,13 @@ def diffusion_generate(
     bsz = block_size
     span = math.ceil(max_new_tokens / bsz) * bsz
 
+    sub = sub_block_size
+    window = bsz if sub is None else sub  # positions that get logits each step
     forward: _CachedForward | _RecomputeForward
     if use_cache:
-        forward = _CachedForward(model, ids, attn, bsz, span, mask_id)
+        forward = _CachedForward(model, ids, attn, bsz, span, mask_id, window)
     else:
-        forward = _RecomputeForward(model, ids, attn, bsz)
+        forward = _RecomputeForward(model, ids, attn, bsz, window)
     # Per active row: the response so far (mask_id where not committed), the
     # step that committed each position (-1: not yet), the active block's first
     # response index, the prompt length.
@@ -521,19 +614,13 @@ def diffusion_generate(
         out_logp = torch.zeros((batch, span), dtype=torch.float32, device=device)
     lengths = [0] * batch
     ar = torch.arange(bsz, device=device)
+    ar_w = torch.arange(window, device=device)
 
     ctx: torch.Tensor | None = None  # None: the next forward is the prefill
     ctx_list: list[bool] | None = None
     nfe = 0
     while True:
-        logits = forward(resp, start, plen, ctx, ctx_list)
-        step = nfe
-        nfe += 1
-        # Before `propose`, which bans the mask column in place: the raw log-partition.
-        lse = torch.logsumexp(logits.float(), dim=-1) if logp_of is not None else None
-        # One (N, B, V) draw per step on both paths, so sampling draws alike.
-        tokens, conf = propose(logits, temperature, generator, mask_id)
-
+        # The active blocks' state before this step (the forward does not change it).
         cols = start[:, None] + ar
         old_tok, old_step = resp.gather(1, cols), step_of.gather(1, cols)
         committed = old_step >= 0
@@ -541,14 +628,43 @@ def diffusion_generate(
         # so a committed eos can only be in the active block.
         after_eos = (committed & (old_tok == eos_id)).cumsum(1) > 0
         in_limit = cols < max_new_tokens
-        chosen = commit_mask(conf, ~committed & in_limit & ~after_eos, threshold)
+        open_ = ~committed & in_limit & ~after_eos  # (N, B) positions that may be committed
+        off = win = None
+        if sub is not None:
+            # Each row's current sub-block: the leftmost with an open position.
+            # Every active row has one (else it would be done or in its next
+            # block), and a just-started block is at sub-block 0.
+            off = open_.long().argmax(1) // sub * sub
+            win = off[:, None] + ar_w  # (N, S) block positions of the window
+
+        logits = forward(resp, start, plen, ctx, ctx_list, off)
+        step = nfe
+        nfe += 1
+        # Before `propose`, which bans the mask column in place: the raw log-partition.
+        lse = torch.logsumexp(logits.float(), dim=-1) if logp_of is not None else None
+        # One (N, W, V) draw per step on both paths, so sampling draws alike.
+        tokens, conf = propose(logits, temperature, generator, mask_id)
+        tok_logp = None
+        if logp_of is not None:
+            assert lse is not None
+            tok_logp = logits.gather(-1, tokens[..., None]).squeeze(-1).float() - lse
+
+        if win is None:
+            chosen = commit_mask(conf, open_, threshold)
+        else:
+            # The threshold rule inside the window only, then back to block
+            # positions (outside the window nothing is chosen, so the zeros
+            # put in tokens and log-probs there are never read).
+            chosen = torch.zeros_like(open_).scatter_(1, win, commit_mask(conf, open_.gather(1, win), threshold))
+            tokens = torch.zeros_like(cols).scatter_(1, win, tokens)
+            if tok_logp is not None:
+                tok_logp = tok_logp.new_zeros(cols.shape).scatter_(1, win, tok_logp)
         new_tok = torch.where(chosen, tokens, old_tok)
         committed = committed | chosen
         resp.scatter_(1, cols, new_tok)
         step_of.scatter_(1, cols, torch.where(chosen, step, old_step))
         if logp_of is not None:
-            assert lse is not None
-            tok_logp = logits.gather(-1, tokens[..., None]).squeeze(-1).float() - lse
+            assert tok_logp is not None
             logp_of.scatter_(1, cols, torch.where(chosen, tok_logp, logp_of.gather(1, cols)))
 
         is_eos = committed & (new_tok == eos_id)

@@ -83,7 +83,10 @@ Alignment with the decoder, checked by tests/test_diffusion_replay.py:
   later ones; OPD: it has no teacher target, it is outside the response);
 - a prompt starts at column 0 with position 0 in every row; the decoder's left
   padding gives the same position ids and pads are never attended, so the
-  logits are the same up to float rounding (atol 1e-5 in float32).
+  logits are the same up to float rounding (atol 1e-5 in float32);
+- sub-block decoding (`sub_block_size`) changes which positions a step may
+  commit, not what the step sees: the forward still covers the whole block,
+  so the same canvases replay it exactly and nothing here depends on S.
 """
 
 from __future__ import annotations

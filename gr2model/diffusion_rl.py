@@ -62,7 +62,7 @@ from gr2model.dapo import (
     _update_policy,
     start_policy_run,
 )
-from gr2model.diffusion_decode import diffusion_generate
+from gr2model.diffusion_decode import check_sub_block_size, diffusion_generate
 from gr2model.diffusion_replay import (
     DEFAULT_MAX_COPIES,
     replay_columns,
@@ -80,6 +80,10 @@ class DiffusionRLConfig(DAPOConfig):
     by default, as the issue asks; clip_high > clip_low is DAPO's clip-higher), plus
 
     threshold: the decoder's commit threshold for the rollouts (as at inference).
+    sub_block_size: the decoder's sub-block size for the rollouts (None: whole
+        blocks; else >= 1 and a divisor of the model's block size, checked when
+        training starts). Old log-probs and the replay are unchanged: a
+        sub-block step still sees its whole block's canvas.
     old_logprobs: "decode" (the decoder's, default) or "replay" (module docstring).
     max_copies: canvases per replay row (`gr2model.diffusion_replay`).
     micro_batch_columns: the most replay columns per forward/backward inside a
@@ -89,6 +93,7 @@ class DiffusionRLConfig(DAPOConfig):
 
     clip_high: float = 0.2
     threshold: float = 0.9
+    sub_block_size: int | None = None
     old_logprobs: Literal["decode", "replay"] = "decode"
     max_copies: int = DEFAULT_MAX_COPIES
     micro_batch_columns: int = 16_384
@@ -97,6 +102,8 @@ class DiffusionRLConfig(DAPOConfig):
         super().__post_init__()
         if self.old_logprobs not in ("decode", "replay"):
             raise ValueError(f"old_logprobs must be 'decode' or 'replay', got {self.old_logprobs!r}")
+        if self.sub_block_size is not None and self.sub_block_size < 1:
+            raise ValueError(f"sub_block_size must be None or >= 1, got {self.sub_block_size}")
 
 
 @dataclass
@@ -153,6 +160,8 @@ def train_diffusion_rl(
     """
     accelerator = accelerator or Accelerator()
     pad_id, eos_id, mask_id, block_size = decoding_ids(model, tok)
+    # Before any work: a sub-block size that does not tile the model's blocks.
+    check_sub_block_size(block_size, cfg.sub_block_size)
     run = start_policy_run(
         model, accelerator, n_prompts=len(prompts), lr=cfg.lr, weight_decay=cfg.weight_decay, seed=cfg.seed
     )
@@ -166,7 +175,7 @@ def train_diffusion_rl(
         out = diffusion_generate(
             policy, rows, pad_id=pad_id, eos_id=eos_id, mask_id=mask_id, block_size=block_size,
             threshold=cfg.threshold, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-            generator=run.sample_gen, return_trace=True, return_logprobs=True,
+            generator=run.sample_gen, return_trace=True, return_logprobs=True, sub_block_size=cfg.sub_block_size,
         )
         trajs = trajectories_from_decode(rows, out)
         for t in trajs:

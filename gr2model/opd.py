@@ -102,7 +102,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from gr2model.block_diffusion import decoding_ids
 from gr2model.dapo import RewardFn, _zero_grad_forward, response_logits, start_policy_run
-from gr2model.diffusion_decode import diffusion_generate
+from gr2model.diffusion_decode import check_sub_block_size, diffusion_generate
 from gr2model.diffusion_replay import (
     DEFAULT_MAX_COPIES,
     Trajectory,
@@ -290,6 +290,10 @@ class OPDConfig:
     teacher_top_k: 0 keeps the teacher's full distributions; k > 0 its top k
         plus a rest bucket (module docstring).
     threshold: the decoder's commit threshold (as at inference).
+    sub_block_size: the decoder's sub-block size for the rollouts (None: whole
+        blocks; else >= 1 and a divisor of the student's block size, checked
+        when training starts). The replay needs nothing else: a sub-block step
+        still sees its whole block's canvas (`gr2model.diffusion_decode`).
     temperature: sampling temperature of the rollouts (> 0; 0 decodes greedily).
     max_new_tokens: response length limit.
     max_copies: canvases per replay row (`gr2model.diffusion_replay`).
@@ -319,6 +323,7 @@ class OPDConfig:
     kind: KLKind = "forward"
     teacher_top_k: int = 0
     threshold: float = 0.9
+    sub_block_size: int | None = None
     temperature: float = 1.0
     max_new_tokens: int = 320
     max_copies: int = DEFAULT_MAX_COPIES
@@ -335,6 +340,8 @@ class OPDConfig:
             raise ValueError(f"kind must be 'forward' or 'reverse', got {self.kind!r}")
         if self.teacher_top_k < 0 or self.temperature < 0:
             raise ValueError("teacher_top_k and temperature must be >= 0")
+        if self.sub_block_size is not None and self.sub_block_size < 1:
+            raise ValueError(f"sub_block_size must be None or >= 1, got {self.sub_block_size}")
 
 
 @dataclass
@@ -435,6 +442,8 @@ def train_opd(
     """
     accelerator = accelerator or Accelerator()
     pad_id, eos_id, mask_id, block_size = decoding_ids(student, tok)
+    # Before any work: a sub-block size that does not tile the student's blocks.
+    check_sub_block_size(block_size, cfg.sub_block_size)
     if _vocab_of(teacher) != _vocab_of(student):
         raise ValueError(f"teacher vocabulary {_vocab_of(teacher)} != student's {_vocab_of(student)}")
     teacher = teacher.to(accelerator.device).eval()
@@ -461,7 +470,7 @@ def train_opd(
             out = diffusion_generate(
                 policy, rows, pad_id=pad_id, eos_id=eos_id, mask_id=mask_id, block_size=block_size,
                 threshold=cfg.threshold, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-                generator=run.sample_gen, return_trace=True,
+                generator=run.sample_gen, return_trace=True, sub_block_size=cfg.sub_block_size,
             )
             trajs = trajectories_from_decode(rows, out)
             committed = sum(t.committed for t in trajs)

@@ -16,7 +16,7 @@ from tqdm.auto import tqdm
 
 from gr2model.ar_decode import DecodeOutput, ar_generate
 from gr2model.block_diffusion import block_diffusion_settings
-from gr2model.diffusion_decode import diffusion_generate
+from gr2model.diffusion_decode import check_sub_block_size, diffusion_generate
 from gr2model.rerank_format import FormatConfig, ItemText, ParsedResponse, build_prompt, evidence_of, parse_response
 from gr2model.tokenizer import special_ids
 
@@ -58,17 +58,24 @@ def random_rankings(incoming: Sequence[Sequence[int]], seed: int) -> list[list[i
     return [list(np.asarray(c)[rng.permutation(len(c))]) for c in incoming]
 
 
-def decoder_kwargs(model, threshold: float) -> dict:
+def decoder_kwargs(model, threshold: float, sub_block_size: int | None = None) -> dict:
     """The `lm_rerank` keyword arguments that decode with the model's own decoder.
 
-    An AR model: {} (our KV-cache AR loop). A block-diffusion model (its config
-    has block_size and mask_token_id): the threshold decoder with its block
-    size, mask id and commit threshold `threshold`.
+    An AR model: {} (our KV-cache AR loop; `sub_block_size` does not apply). A
+    block-diffusion model (its config has block_size and mask_token_id): the
+    threshold decoder with its block size, mask id and commit threshold
+    `threshold`, plus `sub_block_size` when not None (sub-block decoding,
+    `gr2model.diffusion_decode`; ValueError here if it does not divide the
+    model's block size, before anything is decoded).
     """
     if getattr(model.config, "block_size", None) is None:
         return {}
     block_size, mask_id = block_diffusion_settings(model)
-    return {"decoder": diffusion_generate, "block_size": block_size, "mask_id": mask_id, "threshold": threshold}
+    kwargs = {"decoder": diffusion_generate, "block_size": block_size, "mask_id": mask_id, "threshold": threshold}
+    if sub_block_size is not None:
+        check_sub_block_size(block_size, sub_block_size)
+        kwargs["sub_block_size"] = sub_block_size
+    return kwargs
 
 
 @dataclass

@@ -104,7 +104,8 @@ def test_cached_equals_recompute(model, prompts, mask_id, block_size, monkeypatc
     kinds: set[str] = set()
     call = dd._CachedForward.__call__
 
-    def spy(self, resp, start, plen, ctx, ctx_list):
+    def spy(self, resp, start, plen, ctx, ctx_list, off=None):
+        assert off is None  # no sub-blocks: the whole-block logits path
         ragged = min(self.kept) != max(self.kept)
         if ctx is None:
             kinds.add("prefill")
@@ -112,7 +113,7 @@ def test_cached_equals_recompute(model, prompts, mask_id, block_size, monkeypatc
             kinds.add("denoise ragged" if ragged else "denoise")
         else:
             kinds.add("finish some" if ragged or not all(ctx_list) else "finish all")
-        return call(self, resp, start, plen, ctx, ctx_list)
+        return call(self, resp, start, plen, ctx, ctx_list, off)
 
     monkeypatch.setattr(dd._CachedForward, "__call__", spy)
     cached = decode(model, prompts, mask_id, block_size=block_size, threshold=MIXED)
@@ -218,3 +219,201 @@ def test_zero_new_tokens_and_bad_block(model, prompts, mask_id) -> None:
     with pytest.raises(ValueError):
         decode(model, prompts, mask_id, block_size=0, threshold=0.5)
 
+
+
+# ---------------------------------------------------------------- sub-blocks
+
+
+class RisingConfidence(torch.nn.Module):
+    """A fake model whose confidences the test controls: the column at position id q
+    proposes token 3 + (q + 1) % 30 with logit 0.2 q (every other logit 0), so the
+    confidence of a proposal grows with its position. Without sub-blocks, one token
+    per step means right to left in each block; with them, left to right by sub-block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.anchor = torch.nn.Parameter(torch.zeros(()))  # the decoder reads its device
+        self.config = type("Config", (), {"num_hidden_layers": 1})()
+
+    def forward(self, input_ids, attention_mask, position_ids, logits_to_keep, **_):
+        from transformers.modeling_utils import slice_logits_to_keep
+
+        q = position_ids.float()
+        logits = torch.zeros((*input_ids.shape, VOCAB))
+        logits.scatter_(-1, (3 + (position_ids + 1) % 30)[..., None], 0.2 * q[..., None])
+        return type("Out", (), {"logits": slice_logits_to_keep(logits, logits_to_keep)})()
+
+
+def fake_decode(prompts, **kw) -> DiffusionDecodeOutput:
+    args = dict(pad_id=PAD, eos_id=NO_EOS, mask_id=VOCAB - 1, max_new_tokens=16, return_trace=True)
+    args.update(kw)
+    return diffusion_generate(RisingConfidence(), prompts, **args)
+
+
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_sub_blocks_commit_left_to_right_by_hand(prompts, use_cache) -> None:
+    one = dict(block_size=8, threshold=2.0, use_cache=use_cache)  # one token per step
+    # Whole blocks: the most confident (rightmost) masked position first.
+    whole = fake_decode(prompts, **one).steps
+    assert whole == [[8 * (i // 8) + 7 - i % 8 for i in range(16)]] * len(prompts)
+    # Sub-blocks of 4: right to left inside a sub-block, sub-blocks left to right.
+    sub = fake_decode(prompts, **one, sub_block_size=4).steps
+    assert sub == [[4 * (i // 4) + 3 - i % 4 for i in range(16)]] * len(prompts)
+    # Threshold 0: a whole window per step, so one forward per sub-block.
+    for s in (8, 4, 2, 1):
+        out = fake_decode(prompts, block_size=8, threshold=0.0, use_cache=use_cache, sub_block_size=s)
+        assert out.steps == [[i // s for i in range(16)]] * len(prompts)
+        assert out.nfe == 16 // s
+
+
+def test_sub_block_none_and_whole_block_are_the_old_decoder(model, prompts, mask_id) -> None:
+    """None takes the old path; S = B takes the sub-block path with one window per block:
+    both give the tokens, steps, NFE and log-probs of the decoder without the argument
+    (ragged rows with eos, sampling, tails)."""
+    ref = decode(model, prompts, mask_id, block_size=4, threshold=MIXED).sequences
+    eos = ref[0][5]
+    for kw in (dict(threshold=MIXED, eos_id=eos),
+               dict(threshold=0.3, eos_id=EOS, temperature=1.0)):
+        def run(**sub):
+            g = torch.Generator().manual_seed(3)
+            return decode(model, prompts, mask_id, block_size=4, generator=g, return_logprobs=True, **kw, **sub)
+
+        old, none, whole = run(), run(sub_block_size=None), run(sub_block_size=4)
+        for out in (none, whole):
+            assert out.sequences == old.sequences and out.steps == old.steps and out.nfe == old.nfe
+            assert out.tail_tokens == old.tail_tokens and out.tail_steps == old.tail_steps
+            assert out.logprobs == old.logprobs and out.tail_logprobs == old.tail_logprobs
+
+
+def sub_block_order_holds(steps: list[int], bsz: int, sub: int) -> bool:
+    """In every block, each step's commits lie in one sub-block and every sub-block is
+    finished before the next one starts (steps -1: never committed, ignored)."""
+    for b0 in range(0, len(steps), bsz):
+        spans = []
+        for s0 in range(b0, min(b0 + bsz, len(steps)), sub):
+            done = [t for t in steps[s0 : s0 + sub] if t >= 0]
+            if done:
+                spans.append((min(done), max(done)))
+        if any(hi >= lo for (_, hi), (lo, _) in zip(spans, spans[1:])):
+            return False
+    return True
+
+
+@pytest.mark.parametrize("block_size, sub", [(4, 2), (8, 4), (8, 2)])
+def test_sub_blocks_cached_equals_recompute(model, prompts, mask_id, block_size, sub, monkeypatch) -> None:
+    # Record the kinds of cached forward, and whether a row mid-block sat in a later
+    # sub-block while others started a block (the per-row logits offset of that forward).
+    kinds: set[str] = set()
+    call = dd._CachedForward.__call__
+
+    def spy(self, resp, start, plen, ctx, ctx_list, off=None):
+        if ctx is not None and any(ctx_list) and not all(ctx_list) and bool((off > 0).any()):
+            kinds.add("finish some, later sub-block")
+        elif ctx is not None and not any(ctx_list) and bool((off > 0).any()):
+            kinds.add("denoise, later sub-block")
+        return call(self, resp, start, plen, ctx, ctx_list, off)
+
+    monkeypatch.setattr(dd._CachedForward, "__call__", spy)
+    ref = decode(model, prompts, mask_id, block_size=block_size, threshold=0.2, sub_block_size=sub).sequences
+    eos = ref[1][7]  # rows stop at different steps
+    outs = [decode(model, prompts, mask_id, block_size=block_size, threshold=0.2, sub_block_size=sub, eos_id=eos,
+                   use_cache=c, return_logprobs=True) for c in (True, False)]
+    cached, full = outs
+    assert cached.sequences == full.sequences and cached.steps == full.steps and cached.nfe == full.nfe
+    assert cached.tail_steps == full.tail_steps
+    for a, b in zip(cached.logprobs, full.logprobs):
+        assert a == pytest.approx(b, abs=1e-5)
+    assert len({len(s) for s in cached.sequences}) > 1
+    assert cached.nfe < cached.generated_tokens  # some steps commit several tokens
+    assert kinds == {"finish some, later sub-block", "denoise, later sub-block"}
+    for steps, tail in zip(cached.steps, cached.tail_steps):
+        assert sub_block_order_holds(steps + tail, block_size, sub)
+    for seq in cached.sequences:
+        assert eos not in seq[:-1] and (seq[-1] == eos or len(seq) == NEW)
+
+
+@pytest.mark.parametrize("threshold", [0.2, MIXED, 2.0])
+def test_sub_blocks_commit_only_in_the_current_sub_block(model, prompts, mask_id, threshold) -> None:
+    out = decode(model, prompts, mask_id, block_size=8, threshold=threshold, sub_block_size=2)
+    for steps in out.steps:
+        assert sub_block_order_holds(steps, 8, 2)
+    # The same setting without sub-blocks does not follow that order (so the check means something).
+    free = decode(model, prompts, mask_id, block_size=8, threshold=threshold)
+    assert not all(sub_block_order_holds(steps, 8, 2) for steps in free.steps)
+
+
+def test_sub_block_trace_replays_with_a_full_forward(model, prompts, mask_id) -> None:
+    """As test_trace_replays_with_a_full_forward: a sub-block step sees its whole block."""
+    bsz = 8
+    out = decode(model, prompts[:3], mask_id, block_size=bsz, threshold=0.2, sub_block_size=4)
+    for prompt, seq, steps in zip(prompts[:3], out.sequences, out.steps):
+        p = len(prompt)
+        for t in sorted(set(steps)):
+            now = [i for i, s in enumerate(steps) if s == t]
+            end = (now[0] // bsz + 1) * bsz
+            resp = [seq[i] if i < len(seq) and steps[i] < t else mask_id for i in range(end)]
+            ids = torch.tensor([prompt + resp])
+            mask = block_causal_mask(torch.ones_like(ids), p, bsz)
+            with torch.no_grad():
+                logits = model(input_ids=ids, attention_mask=mask, position_ids=torch.arange(ids.shape[1])[None]).logits
+            logits[..., mask_id] = float("-inf")
+            pred = logits[0, p - 1 : p - 1 + end].argmax(-1)
+            assert [int(pred[i]) for i in now] == [seq[i] for i in now]
+
+
+def test_sub_blocks_batch_equals_rows_alone(model, prompts, mask_id) -> None:
+    ref = decode(model, prompts, mask_id, block_size=8, threshold=0.2, sub_block_size=4).sequences
+    eos = ref[1][7]
+    kw = dict(block_size=8, threshold=0.2, sub_block_size=4, eos_id=eos, return_logprobs=True)
+    batched = decode(model, prompts, mask_id, **kw)
+    assert len({len(s) for s in batched.sequences}) > 1  # ragged: rows finish at different steps
+    for i, prompt in enumerate(prompts):
+        alone = decode(model, [prompt], mask_id, **kw)
+        assert alone.sequences[0] == batched.sequences[i]
+        assert alone.steps[0] == batched.steps[i] and alone.tail_steps[0] == batched.tail_steps[i]
+        assert alone.logprobs[0] == pytest.approx(batched.logprobs[i], abs=1e-5)
+
+
+@pytest.mark.parametrize("sub", [0, -2, 3, 16])
+def test_bad_sub_block_size(model, prompts, mask_id, sub) -> None:
+    with pytest.raises(ValueError, match=f"block_size 8, got {sub}"):
+        decode(model, prompts, mask_id, block_size=8, threshold=0.5, sub_block_size=sub)
+    with pytest.raises(ValueError):
+        dd.check_sub_block_size(8, sub)
+    dd.check_sub_block_size(8, None)
+
+
+def test_benchmark_has_sub_block_rows() -> None:
+    import polars as pl
+
+    from gr2model.bench import decode_benchmark, speed_table
+    from gr2model.block_diffusion import convert_to_block_diffusion
+    from gr2model.rerank_format import FormatConfig
+    from gr2model.rerank_eval import decoder_kwargs
+
+    from tiny import TOY_CANDIDATES, toy_items, toy_model, toy_tokenizer
+
+    tok = toy_tokenizer()
+    ar = toy_model(tok).eval()
+    dgr2 = convert_to_block_diffusion(ar, tok, block_size=4).eval()
+    lists = pl.DataFrame({"history": [[], [1]], "candidates": [list(c) for c in TOY_CANDIDATES[:2]], "target": [1, 2]})
+    args = dict(taus=[0.9], batch_sizes=[2], max_new_tokens=8)
+    fmt = FormatConfig(history_len=1, with_attributes=False)
+    plain = decode_benchmark(ar, {"d": dgr2}, tok, lists, toy_items(), fmt, **args)
+    assert [(r["decoder"], r["sub_block_size"]) for r in plain] == [("ar", None), ("hf", None), ("diffusion", None)]
+    assert "sub_block_size" not in speed_table(plain)
+    rows = decode_benchmark(ar, {"d": dgr2}, tok, lists, toy_items(), fmt, sub_block_sizes=[2, 3], **args)
+    # 3 does not divide the block size 4: skipped; 2 adds one row per threshold.
+    assert [(r["decoder"], r["sub_block_size"]) for r in rows] == [
+        ("ar", None), ("hf", None), ("diffusion", None), ("diffusion", 2)
+    ]
+    assert rows[3]["tokens_per_forward"] > 0 and rows[3]["speedup"] == rows[3]["speedup"]  # measured, not NaN
+    assert "| sub_block_size |" in speed_table(rows)
+    with pytest.raises(ValueError):
+        decode_benchmark(ar, {"d": dgr2}, tok, lists, toy_items(), fmt, sub_block_sizes=[0], **args)
+    # The evaluation's decoder kwargs carry S only when set, and check it against the block size.
+    assert "sub_block_size" not in decoder_kwargs(dgr2, 0.9)
+    assert decoder_kwargs(dgr2, 0.9, sub_block_size=2)["sub_block_size"] == 2
+    assert decoder_kwargs(ar, 0.9, sub_block_size=2) == {}
+    with pytest.raises(ValueError):
+        decoder_kwargs(dgr2, 0.9, sub_block_size=3)

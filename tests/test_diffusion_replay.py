@@ -183,6 +183,21 @@ def test_replay_equals_the_decode(model, prompts, block_size, batch, max_copies,
     assert canvases["input_ids"].shape[0] <= block_size * len(trajs)
 
 
+@pytest.mark.parametrize("block_size, sub_block_size", [(4, 2), (8, 2), (8, 4)])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_replay_equals_a_sub_block_decode(model, prompts, block_size, sub_block_size, temperature) -> None:
+    """Sub-block decoding changes which positions a step commits, not what it sees: the
+    unchanged replay (block canvases) gives the decoder's log-probs, tails included."""
+    out = decode(model, prompts, block_size=block_size, sub_block_size=sub_block_size, temperature=temperature,
+                 generator=torch.Generator().manual_seed(0))
+    trajs = trajectories_from_decode(prompts, out)
+    logp, mask = replay(model, trajs, block_size, include_tail=True, max_copies=2)
+    for i, t in enumerate(trajs):
+        scored = [j for j, s in enumerate(t.steps) if s >= 0]
+        assert mask[i].nonzero().squeeze(-1).tolist() == scored
+        torch.testing.assert_close(logp[i, scored], torch.tensor([t.logprobs[j] for j in scored]), atol=1e-5, rtol=0)
+
+
 def test_block_size_one_is_ar(model, prompts) -> None:
     """B=1: the decoder's log-probs are ar_generate's, and the replay is sequence_logprobs."""
     out = decode(model, prompts, block_size=1, eos_id=-1)

@@ -99,6 +99,23 @@ def test_replay_old_logprobs_and_inner_epochs(tok) -> None:
     assert two.history[0]["approx_kl"] > 1e-6  # the second pass's ratios moved
 
 
+def test_sub_block_rollouts_stay_on_policy(tok) -> None:
+    """With sub_block_size the rollouts commit sub-block by sub-block, and the unchanged
+    replay still reproduces their log-probs (ratios 1); a size that does not divide the
+    block fails before anything is decoded."""
+    target = tok.convert_tokens_to_ids('"recommendations"')
+    cfg = DiffusionRLConfig(group_size=4, prompts_per_step=2, steps=2, minibatch_size=8, lr=1e-2, max_new_tokens=8,
+                            threshold=0.3, seed=3, sub_block_size=2)
+    result = train_diffusion_rl(policy(tok), tok, random_prompts(tok, 8, seed=5), hits_reward(target), cfg)
+    h = result.history[0]
+    assert h["kept_groups"] > 0
+    assert h["ratio_mean"] == pytest.approx(1.0, abs=1e-5) and h["approx_kl"] < 1e-9
+    with pytest.raises(ValueError):
+        DiffusionRLConfig(sub_block_size=0)
+    with pytest.raises(ValueError, match="divide block_size 4"):
+        train_diffusion_rl(policy(tok), tok, [[8, 9]], hits_reward(target), replace(cfg, sub_block_size=3))
+
+
 def test_dynamic_sampling_drops_uninformative_groups(tok) -> None:
     model = policy(tok)
     before = [p.detach().clone() for p in model.parameters()]

@@ -197,6 +197,27 @@ def test_train_opd_checks_its_inputs(tok) -> None:
         train_opd(convert_to_block_diffusion(tiny_model(tok), tok, 4), teacher, tok, [], OPDConfig(steps=1))
     with pytest.raises(ValueError):
         OPDConfig(kind="sideways")
+    with pytest.raises(ValueError):
+        OPDConfig(sub_block_size=0)
+    with pytest.raises(ValueError, match="divide block_size 4"):
+        train_opd(convert_to_block_diffusion(tiny_model(tok), tok, 4), teacher, tok, [[8, 9]],
+                  OPDConfig(steps=1, sub_block_size=3))
+
+
+def test_train_opd_with_sub_blocks(tok) -> None:
+    """The rollouts decode sub-block by sub-block: at threshold 0 a forward commits one whole
+    sub-block of 2 per row (a block of 4 without sub-blocks), and the update runs on them."""
+    teacher = tiny_model(tok, seed=0, scale=0.3)
+    student = convert_to_block_diffusion(tiny_model(tok, seed=1), tok, 4)
+    cfg = OPDConfig(rollouts_per_prompt=2, prompts_per_step=4, steps=1, minibatch_size=8, lr=1e-3, threshold=0.0,
+                    max_new_tokens=8, sub_block_size=2)
+    prompts = random_prompts(tok, 8, seed=2)
+    h = train_opd(student, teacher, tok, prompts, cfg).history[0]
+    assert h["response_length"] > 2 and 1.0 < h["tokens_per_forward"] <= 2.0
+    assert math.isfinite(h["kl"])
+    whole = train_opd(convert_to_block_diffusion(tiny_model(tok, seed=1), tok, 4), teacher, tok, prompts,
+                      replace(cfg, sub_block_size=None)).history[0]
+    assert whole["tokens_per_forward"] > 2.0
 
 
 def _opd_worker(tok, prompts: list[list[int]], cfg: OPDConfig, out) -> None:
