@@ -187,7 +187,8 @@ def record_evaluations(root: Path, client: Any | None = None) -> list[dict[str, 
                             tags[eval_tag(split, metric)] = repr(float(value))
                 what.append("eval")
         # Diffusion rows only: AR rows (tau None) are the reference every speed-up is relative to.
-        rows = [r for r in speed_rows if r.get("model") == name and r.get("tau") is not None]
+        # The gates judge the decoder the model is served with (whole blocks), not sub-block rows.
+        rows = [r for r in speed_rows if r.get("model") == name and r.get("tau") is not None and r.get("sub_block_size") is None]
         if rows:
             measured = _measured_on(root, SPEED_METRICS, spec.checkpoint)
             if measured not in (None, md5):

@@ -71,6 +71,7 @@ class BenchParams(StageConfig):
     batch_sizes: list[int] = [1, 16]
     examples: int = 64  # the first N test re-ranking examples (the same for every decoder)
     models: list[str] = ["dgr2-cft", "dgr2"]  # diffusion models raced against GR2 (those that exist)
+    sub_block_sizes: list[int] = []  # extra diffusion rows decoding sub-block by sub-block (each must divide the block)
 
 
 class EvaluateConfig(StageConfig):
@@ -84,6 +85,7 @@ class EvaluateConfig(StageConfig):
     seed: int = 0
     bootstrap: int = 2000  # resamples of the examples for every interval (paired for differences)
     tau: float = 0.9  # commit threshold of the diffusion decoder in the accuracy table
+    sub_block_size: int | None = None  # the accuracy table's diffusion decoder commits within sub-blocks of this size
     naive_block_size: int = 32  # block size of dgr2-naive when no diffusion checkpoint says otherwise
     bench: BenchParams = BenchParams()
 
@@ -196,12 +198,19 @@ def _decode_eval(
     name: str, model: Any, tok: Any, df: pl.DataFrame, items: ItemText, fmt: Any, cfg: EvaluateConfig
 ) -> tuple[dict[str, float], np.ndarray]:
     """Decode one split with the model's decoder (AR or threshold diffusion); its metrics and per-example ranks."""
-    kwargs = decoder_kwargs(model, cfg.tau)
+    kwargs = decoder_kwargs(model, cfg.tau, sub_block_size=cfg.sub_block_size)
     out = lm_rerank(model, tok, df, items, fmt, batch_size=cfg.batch_size, max_new_tokens=cfg.max_new_tokens, desc=name, **kwargs)
     m, ranks = scored(out.parsed, df["target"].to_list())
     m["tokens_per_s"] = out.generated_tokens / max(out.seconds, 1e-9)
     m["response_tokens"] = out.generated_tokens / max(len(out.parsed), 1)
     return m, ranks
+
+
+def speed_metric_key(row: dict[str, Any]) -> str:
+    """The MLflow key of a benchmark row's speed-up: `speed.<model>.<decoder>.tau<tau>.b<batch>[.s<sub-block>]`."""
+    tau = row["tau"] if row["tau"] is not None else "-"
+    sub = f".s{row['sub_block_size']}" if row.get("sub_block_size") else ""
+    return f"speed.{row['model']}.{row['decoder']}.tau{tau}.b{row['batch_size']}{sub}.speedup"
 
 
 def run_bench(cfg: EvaluateConfig, root: Path, log: logging.Logger, models: dict[str, Any] | None = None) -> list[dict[str, Any]]:
@@ -218,10 +227,11 @@ def run_bench(cfg: EvaluateConfig, root: Path, log: logging.Logger, models: dict
     models = models if models is not None else diffusion_models(root, cfg.naive_block_size)
     racers = {name: models[name][0] for name in cfg.bench.models if name in models}
     log.info("decode benchmark: %d test examples, AR (ours, HF) vs %s at tau %s, batch sizes %s", lists.height, list(racers), cfg.bench.taus, cfg.bench.batch_sizes)
-    on_row = lambda r: log.info("bench %s %s tau=%s b%d: %.0f tok/s, %.2fx, %.3f NFE/token, R@1 %.4f, valid %.3f", r["decoder"], r["model"], r["tau"], r["batch_size"], r["tokens_per_s"], r["speedup"], r["nfe_per_token"], r["recall@1"], r["valid_format_rate"])  # noqa: E731
+    on_row = lambda r: log.info("bench %s %s tau=%s sub-block %s b%d: %.0f tok/s, %.2fx, %.3f NFE/token, R@1 %.4f, valid %.3f", r["decoder"], r["model"], r["tau"], r.get("sub_block_size"), r["batch_size"], r["tokens_per_s"], r["speedup"], r["nfe_per_token"], r["recall@1"], r["valid_format_rate"])  # noqa: E731
     rows = decode_benchmark(
-        gr2, racers, tok, lists, items, fmt, taus=cfg.bench.taus, batch_sizes=cfg.bench.batch_sizes, max_new_tokens=cfg.max_new_tokens, on_row=on_row
-    )
+        gr2, racers, tok, lists, items, fmt, taus=cfg.bench.taus, batch_sizes=cfg.bench.batch_sizes,
+        max_new_tokens=cfg.max_new_tokens, on_row=on_row, sub_block_sizes=tuple(cfg.bench.sub_block_sizes),
+    )  # fmt: skip
     device = "cpu" if not torch.cuda.is_available() else torch.cuda.get_device_name(0)
     write_json_atomic({"device": device, "threads": torch.get_num_threads(), "examples": lists.height, "fields": list(SPEED_FIELDS), "rows": rows}, root / SPEED)
     table = speed_table(rows)
@@ -289,7 +299,7 @@ def run(cfg: EvaluateConfig, root: Path, log: logging.Logger, tracker: StageTrac
             rows = run_bench(cfg, root, log, models)
         log.info("decode speed:\n%s", speed_table(rows))
         tracker.log_artifact(root / SPEED_REPORT)
-        tracker.log_metrics({f"speed.{r['model']}.{r['decoder']}.tau{r['tau'] if r['tau'] is not None else '-'}.b{r['batch_size']}.speedup": r["speedup"] for r in rows})
+        tracker.log_metrics({speed_metric_key(r): r["speedup"] for r in rows})
     tracker.log_metrics(timings)
     return results
 

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import polars as pl
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -59,6 +60,15 @@ def test_dvc_outputs_and_metrics(smoke_run: dict[str, Any]) -> None:
     assert (ws / "checkpoints/retriever/COMPLETE").exists()
     traces = json.loads((ws / "metrics/traces.json").read_text())
     assert traces["kept"] > 0 and 0.0 < traces["kept_rate"] <= 1.0
+    # The student's ceilings: the LTR ranker on what the prompt shows, with and without its evidence.
+    for key in ("prompt_ceiling", "prompt_evidence_ceiling"):
+        assert 0.0 <= traces["valid_accuracy"][key]["recall@1"] <= 1.0
+    fmt = json.loads((ws / "data/traces/format.json").read_text())
+    assert len(fmt["evidence"]) == len(fmt["evidence_bins"]) > 0
+    prompt = pl.read_parquet(ws / "data/traces/train.parquet")["prompt"][0]
+    assert prompt.count("<ev1_") == prompt.count("<pos_")  # one level per candidate and feature
+    for split in ("train", "valid", "test"):
+        assert pl.read_parquet(ws / f"data/traces/evidence/{split}.parquet").height == pl.read_parquet(ws / f"data/candidates/{split}.parquet").height
     for ckpt in ("gr2-sft", "gr2", "dgr2-cft", "dgr2-opd", "dgr2"):
         assert (ws / f"checkpoints/{ckpt}/COMPLETE").exists()
     assert json.loads((ws / "checkpoints/dgr2-cft/config.json").read_text())["block_size"] == 32
@@ -70,8 +80,10 @@ def test_dvc_outputs_and_metrics(smoke_run: dict[str, Any]) -> None:
             assert m["n"] > 0
     assert evaluation["prerank"]["test"]["copy_incoming_rate"] == 1.0
     speed = json.loads((ws / "metrics/speed.json").read_text())
-    # smoke bench: batch sizes 1 and 4; AR (ours, HF) + dgr2-cft and dgr2 at two thresholds each
-    assert len(speed["rows"]) == 2 * (2 + 2 * 2)
+    # smoke bench: batch sizes 1 and 4; AR (ours, HF) + dgr2-cft and dgr2 at two thresholds each,
+    # whole blocks and sub-blocks of 8
+    assert len(speed["rows"]) == 2 * (2 + 2 * 2 * 2)
+    assert sorted({r["sub_block_size"] for r in speed["rows"] if r["decoder"] == "diffusion"}, key=str) == [8, None]
     assert {r["model"] for r in speed["rows"] if r["decoder"] == "diffusion"} == {"dgr2-cft", "dgr2"}
     for row in speed["rows"]:
         assert set(row) >= {"decoder", "model", "tau", "batch_size", "tokens_per_s", "speedup", "nfe_per_token", "response_tokens", "recall@1", "valid_format_rate"}
@@ -154,6 +166,9 @@ def test_registered_reranker_reranks(smoke_run: dict[str, Any], name: str) -> No
     _mlflow(smoke_run["ws"])
     model = mlflow.pyfunc.load_model(f"models:/{name}@challenger")
     candidates = list(range(20, 30))
-    out = model.predict(pd.DataFrame({"history": [[1, 2, 3]], "candidates": [candidates]}), params={"max_new_tokens": 64})
+    n_evidence = len(json.loads((smoke_run["ws"] / "data/traces/format.json").read_text())["evidence"])
+    # The request carries each candidate's evidence levels when the model's prompts do.
+    row = {"history": [[1, 2, 3]], "candidates": [candidates]} | ({"evidence": [[[k % 8] * n_evidence for k in range(10)]]} if n_evidence else {})
+    out = model.predict(pd.DataFrame(row), params={"max_new_tokens": 64})
     assert sorted(out["ranking"][0]) == candidates  # a permutation, even when the raw answer is invalid
     assert isinstance(bool(out["valid"][0]), bool) and isinstance(out["response"][0], str)
