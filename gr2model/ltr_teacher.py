@@ -584,14 +584,19 @@ def evidence_values(
 
     Training lists with a `fold` get that fold's statistics, as the teacher sees
     them, so a training prompt's evidence never counts its own target. `cfg`
-    gives the whole-history settings (long_decay, max_history, rescale_counts).
+    gives the whole-history settings (long_decay, max_history). Counts are not
+    rescaled to the full statistics' size (whatever `cfg.rescale_counts` says):
+    a prompt's level must mean the same count on training and test lists, and
+    rescaling turns "bought together once" into a different value in each fold
+    (on Beauty one count became 0.912, 0.916 and 0.921 in the three folds), which the
+    quantile levels then split apart.
 
     Raises:
         ValueError: a name that is not an LTR feature.
     """
     if unknown := [n for n in names if n not in _ALL]:
         raise ValueError(f"unknown evidence features {unknown}; known: {LTR_FEATURE_NAMES}")
-    full = LTRTeacher(expert, replace(cfg or LTRConfig(), features="all", score_features=True))
+    full = LTRTeacher(expert, replace(cfg or LTRConfig(), features="all", score_features=True, rescale_counts=False))
     cols = [_ALL[n] for n in names]
     rows = tqdm(_lists_rows(lists), desc=desc, disable=desc is None, leave=False)
     return [full.features(h, c, s, fold=f)[:, cols] for h, c, s, f in rows]

@@ -166,7 +166,8 @@ def test_evidence_values_are_the_named_features_with_the_lists_fold() -> None:
     )
     names = ["co_after_all", "prerank_score", "score_gap_next"]  # a score feature too: evidence may use any
     values = evidence_values(expert, lists, names, desc=None)
-    full = LTRTeacher(expert, LTRConfig(score_features=True))
+    # Counts as they are (not rescaled by fold): one co-purchase is the same level everywhere.
+    full = LTRTeacher(expert, LTRConfig(score_features=True, rescale_counts=False))
     cols = [full.feature_names.index(n) for n in names]
     for row, fold in enumerate([0, 1]):
         want = full.features([5, 7], [12, 17, 50, 3], [0.0, -1.0, -2.0, -3.0], fold=fold)[:, cols]
