@@ -21,6 +21,8 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
+from gr2model.bounds import FieldRangeError, check
+
 # SDPA is the fastest attention that runs on CPU and GPU alike, and it takes the
 # 4D boolean masks that the block-diffusion model passes.
 ATTN_IMPLEMENTATION = "sdpa"
@@ -46,6 +48,19 @@ class ARModelConfig:
     # it is loaded instead of building from the fields above, and its embeddings
     # are resized to the tokenizer's vocabulary.
     pretrained_path: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.pretrained_path is not None:
+            return  # the size fields are ignored
+        for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size",
+                     "max_position_embeddings"):
+            check(self, name, ge=1)
+        check(self, "rope_theta", gt=0)
+        # Checked here too (not only when the model is built) so a params.yaml error shows before any work.
+        if self.hidden_size % self.num_heads != 0:
+            raise FieldRangeError("num_heads", f"{self.num_heads} does not divide hidden_size {self.hidden_size}")
+        if self.num_heads % self.num_kv_heads != 0:
+            raise FieldRangeError("num_kv_heads", f"{self.num_kv_heads} does not divide num_heads {self.num_heads}")
 
 
 def qwen3_config(

@@ -95,6 +95,7 @@ import torch.nn.functional as F
 from accelerate import Accelerator
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from gr2model.bounds import FieldRangeError, check
 from gr2model.sft import IGNORE_INDEX, SFTConfig, _stats, encode_example, run_train_loop
 
 __all__ = [
@@ -163,18 +164,19 @@ class CFTConfig:
     valid_every: int = 0
 
     def __post_init__(self) -> None:
-        if self.epochs < 1 or self.batch_size < 1:
-            raise ValueError(f"epochs and batch_size must be >= 1, got {self.epochs}, {self.batch_size}")
-        if min(self.reasoning_weight, self.answer_weight, self.pad_weight) < 0:
-            raise ValueError("loss weights must be >= 0")
-        if self.max_length < 2:
-            raise ValueError(f"max_length must be >= 2, got {self.max_length}")
-        if self.block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
-        if not 0.0 <= self.t_min <= 1.0:
-            raise ValueError(f"t_min must be in [0, 1], got {self.t_min}")
-        if self.valid_every < 0:
-            raise ValueError(f"valid_every must be >= 0, got {self.valid_every}")
+        for name in ("epochs", "batch_size", "block_size"):
+            check(self, name, ge=1)
+        check(self, "lr", gt=0)
+        for name in ("weight_decay", "warmup_steps", "reasoning_weight", "answer_weight", "pad_weight", "seed",
+                     "valid_every"):
+            check(self, name, ge=0)
+        # max_length need not be a multiple of block_size: examples are cut to whole blocks.
+        check(self, "max_length", ge=2)
+        check(self, "t_min", ge=0, le=1)  # t_min = 1 masks every block fully
+        check(self, "grad_clip")  # any finite value: <= 0 disables clipping
+        if self.reasoning_weight + self.answer_weight <= 0:
+            # As SFTConfig (sft_config() builds one): only pad tokens would be trained.
+            raise FieldRangeError("answer_weight", "and reasoning_weight are both 0: nothing but padding would be trained")
 
     def sft_config(self) -> SFTConfig:
         """The SFTConfig whose `encode_example` gives this config's ids and weights."""

@@ -40,6 +40,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from gr2model.ar_decode import ar_generate
+from gr2model.bounds import check
 
 __all__ = [
     "DAPOConfig",
@@ -97,17 +98,17 @@ class DAPOConfig:
     weight_decay: float = 0.0
 
     def __post_init__(self) -> None:
-        if self.group_size < 2:
-            raise ValueError(f"group_size must be >= 2 (advantages compare within a group), got {self.group_size}")
+        check(self, "group_size", ge=2, why="advantages compare within a group")
         for name in ("prompts_per_step", "steps", "inner_epochs", "minibatch_size", "max_new_tokens"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if not (0.0 <= self.clip_low < 1.0) or self.clip_high < 0.0:
-            raise ValueError(f"need 0 <= clip_low < 1 and clip_high >= 0, got {self.clip_low}, {self.clip_high}")
-        if self.temperature <= 0.0:
-            raise ValueError(f"temperature must be > 0 (RL samples), got {self.temperature}")
-        if self.max_resample_rounds < 0:
-            raise ValueError(f"max_resample_rounds must be >= 0, got {self.max_resample_rounds}")
+            check(self, name, ge=1)
+        check(self, "lr", gt=0)
+        # 1 - clip_low is the ratio's floor: clip_low >= 1 would let it reach 0.
+        check(self, "clip_low", ge=0, lt=1)
+        check(self, "clip_high", ge=0)
+        check(self, "temperature", gt=0, why="RL samples")
+        for name in ("max_resample_rounds", "seed", "weight_decay"):
+            check(self, name, ge=0)
+        check(self, "grad_clip")  # any finite value: <= 0 disables clipping
 
 
 @dataclass

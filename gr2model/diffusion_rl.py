@@ -53,6 +53,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from gr2model.block_diffusion import decoding_ids
+from gr2model.bounds import check
 from gr2model.dapo import (
     DAPOConfig,
     RewardFn,
@@ -102,8 +103,11 @@ class DiffusionRLConfig(DAPOConfig):
         super().__post_init__()
         if self.old_logprobs not in ("decode", "replay"):
             raise ValueError(f"old_logprobs must be 'decode' or 'replay', got {self.old_logprobs!r}")
-        if self.sub_block_size is not None and self.sub_block_size < 1:
-            raise ValueError(f"sub_block_size must be None or >= 1, got {self.sub_block_size}")
+        check(self, "threshold", ge=0, le=1)  # as OPDConfig.threshold
+        # Divisibility by the model's block size is checked when training starts (the block is the checkpoint's).
+        check(self, "sub_block_size", ge=1, optional=True)
+        check(self, "max_copies", ge=1)
+        check(self, "micro_batch_columns")  # any finite value: <= 0 means the whole minibatch at once
 
 
 @dataclass

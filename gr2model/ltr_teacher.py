@@ -47,6 +47,7 @@ import polars as pl
 import scipy.sparse as sp
 from tqdm.auto import tqdm
 
+from gr2model.bounds import check
 from gr2model.teacher import FEATURE_NAMES, CoPurchaseStats, ExpertTeacher, ItemSide, _lookup
 
 logger = logging.getLogger(__name__)
@@ -160,30 +161,22 @@ class LTRConfig:
     def __post_init__(self) -> None:
         if self.objective not in ("lambdarank", "rank_xendcg"):
             raise ValueError(f"objective must be 'lambdarank' or 'rank_xendcg', got {self.objective!r}")
-        if not 2 <= self.num_leaves <= 1024:
-            raise ValueError(f"num_leaves must lie in 2..1024, got {self.num_leaves}")
-        if not 0 < self.learning_rate <= 1:
-            raise ValueError(f"learning_rate must lie in (0, 1], got {self.learning_rate}")
-        if not 1 <= self.n_estimators <= 2000:
-            raise ValueError(f"n_estimators must lie in 1..2000, got {self.n_estimators}")
-        if self.min_child_samples < 1:
-            raise ValueError(f"min_child_samples must be >= 1, got {self.min_child_samples}")
-        if self.reg_lambda < 0:
-            raise ValueError(f"reg_lambda must be >= 0, got {self.reg_lambda}")
-        if not 0 < self.subsample <= 1:
-            raise ValueError(f"subsample must lie in (0, 1], got {self.subsample}")
-        if not 0 < self.colsample_bytree <= 1:
-            raise ValueError(f"colsample_bytree must lie in (0, 1], got {self.colsample_bytree}")
-        if self.early_stopping_rounds < 1:
-            raise ValueError(f"early_stopping_rounds must be >= 1, got {self.early_stopping_rounds}")
+        check(self, "num_leaves", ge=2, le=1024)
+        check(self, "learning_rate", gt=0, le=1)
+        check(self, "n_estimators", ge=1, le=2000)
+        check(self, "min_child_samples", ge=1)
+        check(self, "reg_lambda", ge=0)
+        check(self, "subsample", gt=0, le=1)
+        check(self, "colsample_bytree", gt=0, le=1)
+        check(self, "early_stopping_rounds", ge=1)
+        # LightGBM takes the seed as a C int.
+        check(self, "seed", ge=0, le=2**31 - 1)
         if self.eval_metric not in _METRICS:
             raise ValueError(f"eval_metric must be one of {_METRICS}, got {self.eval_metric!r}")
         if self.features not in ("all", "base", "prompt"):
             raise ValueError(f"features must be 'all', 'base' or 'prompt', got {self.features!r}")
-        if not 0 < self.long_decay <= 1:
-            raise ValueError(f"long_decay must lie in (0, 1], got {self.long_decay}")
-        if self.max_history < 1:
-            raise ValueError(f"max_history must be >= 1, got {self.max_history}")
+        check(self, "long_decay", gt=0, le=1)
+        check(self, "max_history", ge=1)
         if unknown := [n for n in self.prompt_evidence if n not in LTR_FEATURE_NAMES]:
             raise ValueError(f"prompt_evidence: unknown features {unknown}")
 

@@ -61,6 +61,7 @@ from tqdm.auto import tqdm
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from gr2model.ar_decode import left_pad
+from gr2model.bounds import check
 from gr2model.metrics import rank_in_lists, ranking_metrics
 from gr2model.rerank_format import ASSISTANT, USER, ItemText
 from gr2model.sft import IGNORE_INDEX, SFTConfig, _explanation_span, encode_example
@@ -120,12 +121,11 @@ class MidtrainTasks:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.max_items < 2:
-            raise ValueError(f"max_items must be >= 2, got {self.max_items}")
-        if self.persona_min_count < 1 or self.persona_history < 1:
-            raise ValueError("persona_history and persona_min_count must be >= 1")
-        if min(self.max_attributes, self.max_traces, self.max_examples_per_task) < 0:
-            raise ValueError("caps must be >= 0")
+        check(self, "max_items", ge=2)
+        for name in ("persona_history", "persona_min_count"):
+            check(self, name, ge=1)
+        for name in ("max_attributes", "max_traces", "max_examples_per_task", "seed"):  # caps: 0 = all
+            check(self, name, ge=0)
 
 
 @dataclass(frozen=True)
@@ -147,10 +147,10 @@ class NextItemEvalConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.beam_width < 10:
-            raise ValueError(f"beam_width must be >= 10 (R@10 is reported), got {self.beam_width}")
-        if self.batch_size < 1 or self.eval_users < 0:
-            raise ValueError("batch_size must be >= 1 and eval_users >= 0")
+        check(self, "beam_width", ge=10, why="R@10 is reported")
+        check(self, "batch_size", ge=1)
+        for name in ("eval_users", "seed"):  # eval_users 0 = all
+            check(self, name, ge=0)
 
 
 @dataclass(frozen=True)

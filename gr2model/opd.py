@@ -101,6 +101,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from gr2model.block_diffusion import decoding_ids
+from gr2model.bounds import check
 from gr2model.dapo import RewardFn, _zero_grad_forward, response_logits, start_policy_run
 from gr2model.diffusion_decode import check_sub_block_size, diffusion_generate
 from gr2model.diffusion_replay import (
@@ -333,15 +334,20 @@ class OPDConfig:
 
     def __post_init__(self) -> None:
         for name in ("rollouts_per_prompt", "prompts_per_step", "steps", "inner_epochs", "minibatch_size",
-                     "max_new_tokens"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+                     "max_new_tokens", "max_copies"):
+            check(self, name, ge=1)
         if self.kind not in ("forward", "reverse"):
             raise ValueError(f"kind must be 'forward' or 'reverse', got {self.kind!r}")
-        if self.teacher_top_k < 0 or self.temperature < 0:
-            raise ValueError("teacher_top_k and temperature must be >= 0")
-        if self.sub_block_size is not None and self.sub_block_size < 1:
-            raise ValueError(f"sub_block_size must be None or >= 1, got {self.sub_block_size}")
+        check(self, "lr", gt=0)
+        # temperature 0 is allowed: the rollouts then decode greedily.
+        for name in ("weight_decay", "teacher_top_k", "temperature", "seed"):
+            check(self, name, ge=0)
+        # A confidence threshold: 0 commits every proposal, 1 only certain ones.
+        check(self, "threshold", ge=0, le=1)
+        # Divisibility by the student's block size is checked when training starts (the block is the checkpoint's).
+        check(self, "sub_block_size", ge=1, optional=True)
+        for name in ("micro_batch_columns", "grad_clip"):
+            check(self, name)  # any finite value: <= 0 means "whole minibatch" / "no clipping"
 
 
 @dataclass

@@ -36,6 +36,7 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from gr2model.bounds import FieldRangeError, check
 from gr2model.rerank_format import EXPLANATION_KEY
 
 __all__ = [
@@ -85,12 +86,16 @@ class SFTConfig:
     grad_clip: float = 1.0
 
     def __post_init__(self) -> None:
-        if self.epochs < 1 or self.batch_size < 1:
-            raise ValueError(f"epochs and batch_size must be >= 1, got {self.epochs}, {self.batch_size}")
-        if self.reasoning_weight < 0 or self.answer_weight < 0:
-            raise ValueError("loss weights must be >= 0")
-        if self.max_length < 2:
-            raise ValueError(f"max_length must be >= 2, got {self.max_length}")
+        for name in ("epochs", "batch_size"):
+            check(self, name, ge=1)
+        check(self, "lr", gt=0)
+        for name in ("weight_decay", "warmup_steps", "reasoning_weight", "answer_weight", "seed"):
+            check(self, name, ge=0)
+        check(self, "max_length", ge=2)
+        check(self, "grad_clip")  # any finite value: <= 0 disables clipping
+        if self.reasoning_weight + self.answer_weight <= 0:
+            # Every token would weigh 0: the run would train nothing and report loss 0.
+            raise FieldRangeError("answer_weight", "and reasoning_weight are both 0: nothing would be trained")
 
 
 @dataclass

@@ -56,6 +56,7 @@ import scipy.optimize
 import scipy.sparse as sp
 from tqdm.auto import tqdm
 
+from gr2model.bounds import check
 from gr2model.candidates import user_folds
 from gr2model.metrics import ranking_metrics
 from gr2model.rerank_format import (
@@ -527,12 +528,10 @@ class TeacherConfig:
     def __post_init__(self) -> None:
         if self.mode not in ("rejection", "targeted"):
             raise ValueError(f"mode must be 'rejection' or 'targeted', got {self.mode!r}")
-        if self.samples < 1:
-            raise ValueError(f"samples must be >= 1, got {self.samples}")
-        if not self.temperature > 0:
-            raise ValueError(f"temperature must be > 0, got {self.temperature}")
-        if self.target_tokens < 1:
-            raise ValueError(f"target_tokens must be >= 1, got {self.target_tokens}")
+        check(self, "samples", ge=1)
+        check(self, "temperature", gt=0)
+        check(self, "target_tokens", ge=1)
+        check(self, "seed", ge=0)
         if self.rest_order not in ("sampled", "incoming"):
             raise ValueError(f"rest_order must be 'sampled' or 'incoming', got {self.rest_order!r}")
 

@@ -26,7 +26,7 @@ from gr2model.rerank_eval import prompts_of, rerank_examples
 from gr2model.rerank_format import FormatConfig, ItemText, parse_response
 from gr2model.rewards import RewardConfig, rerank_reward
 from tasks.traces import load_format, load_lists
-from tasks.common import StageConfig, atomic_dir, stage_main, timed
+from tasks.common import Cap, NonNegative, Penalty, Seed, StageConfig, atomic_dir, stage_main, timed
 from tasks.tracking import StageTracker
 
 STAGE = "ar_rl"
@@ -38,10 +38,10 @@ METRICS = Path("metrics/ar_rl.json")
 
 
 class ArRlConfig(StageConfig):
-    seed: int = 0
-    format_bonus: float = 0.2
-    invalid_penalty: float = -1.0
-    max_prompts: int = 2000  # training re-ranking examples the prompts are drawn from (0 = all)
+    seed: Seed = 0
+    format_bonus: NonNegative = 0.2
+    invalid_penalty: Penalty = -1.0
+    max_prompts: Cap = 2000  # training re-ranking examples the prompts are drawn from (0 = all)
     # The library's config is the params schema (unknown keys and bad values name the field).
     train: DAPOConfig = DAPOConfig(max_new_tokens=320)
 

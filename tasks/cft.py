@@ -29,7 +29,7 @@ import torch
 from gr2model.block_diffusion import convert_to_block_diffusion
 from gr2model.cft import CFTConfig, train_cft
 from gr2model.checkpoint import load_hf_checkpoint, read_stage_config, save_hf_checkpoint
-from tasks.common import StageConfig, atomic_dir, stage_main, timed
+from tasks.common import Cap, Fraction, Seed, StageConfig, atomic_dir, stage_main, timed
 from tasks.tracking import StageTracker
 
 STAGE = "cft"
@@ -40,10 +40,10 @@ METRICS = Path("metrics/cft.json")
 
 
 class CftStageConfig(StageConfig):
-    seed: int = 0  # the train/valid split
+    seed: Seed = 0  # the train/valid split
     only_valid: bool = False  # train only on trajectories whose answer is a valid permutation
-    valid_fraction: float = 0.05  # trajectories held out for a validation loss
-    max_examples: int = 0  # 0 = every (kept) trajectory
+    valid_fraction: Fraction = 0.05  # trajectories held out for a validation loss (0: none)
+    max_examples: Cap = 0  # 0 = every (kept) trajectory
     # The library's config is the params schema (unknown keys and bad values name the field).
     train: CFTConfig = CFTConfig(block_size=32)
 

@@ -17,10 +17,12 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
 import yaml
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, Field, ValidationError
+
+from gr2model.bounds import FieldRangeError
 
 STAGES: tuple[str, ...] = (
     "prepare",
@@ -40,6 +42,25 @@ STAGES: tuple[str, ...] = (
 PARAMS_FILE = "params.yaml"
 
 C = TypeVar("C", bound=BaseModel)
+
+# Ranges of the numeric params, carried in the schema (issue 16). Floats refuse NaN
+# and infinities: NaN passes no bound check, so a NaN lr would only show as a NaN loss.
+Count = Annotated[int, Field(ge=1)]
+"""Sizes, steps, epochs, batch sizes: at least one."""
+Cap = Annotated[int, Field(ge=0)]
+"""Caps where 0 means "all" (or "off"): max_examples, max_users, ..."""
+Seed = Annotated[int, Field(ge=0)]
+"""numpy's generators refuse negative seeds."""
+Positive = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+"""Learning rates, temperatures, pseudo-counts."""
+NonNegative = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+"""Weights, bonuses, weight decay."""
+Unit = Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)]
+"""Probabilities and confidence thresholds, both ends allowed."""
+Penalty = Annotated[float, Field(le=0, allow_inf_nan=False)]
+"""The reward of an invalid answer: a penalty, never a reward (gr2model.rewards.rerank_reward)."""
+Fraction = Annotated[float, Field(ge=0, lt=1, allow_inf_nan=False)]
+"""A held-out share: 0 holds out nothing, 1 would leave nothing to train on."""
 
 
 class ParamsError(ValueError):
@@ -78,8 +99,16 @@ def load_stage_config(stage: str, model: type[C], path: Path = Path(PARAMS_FILE)
     except ValidationError as exc:
         lines = []
         for err in exc.errors():
-            field = ".".join(str(p) for p in (stage, *err["loc"]))
-            lines.append(f"{path}: {field}: {err['msg']}")
+            loc = (stage, *err["loc"])
+            # A gr2model config dataclass fails in __post_init__, which pydantic reports at
+            # the dataclass (`sft.train`); its FieldRangeError names the field inside it.
+            inner = (err.get("ctx") or {}).get("error")
+            if isinstance(inner, FieldRangeError):
+                loc = (*loc, inner.field)
+            field = ".".join(str(p) for p in loc)
+            # pydantic's bound messages ("Input should be greater than 0") omit the value; add it.
+            got = "" if inner is not None or isinstance(err.get("input"), (dict, list)) else f" (input {err.get('input')!r})"
+            lines.append(f"{path}: {field}: {err['msg']}{got}")
         raise ParamsError("\n".join(lines)) from exc
 
 

@@ -40,7 +40,7 @@ from gr2model.rerank_format import RERANK_METRIC_NAMES, ItemText, ParsedResponse
 from gr2model.ltr_teacher import LTRConfig, LTRTeacher
 from gr2model.teacher import ExpertTeacher
 from tasks.traces import load_format, load_lists
-from tasks.common import StageConfig, stage_main, timed, write_json_atomic, write_text_atomic
+from tasks.common import Cap, Count, Seed, StageConfig, Unit, stage_main, timed, write_json_atomic, write_text_atomic
 from tasks.tracking import StageTracker
 
 STAGE = "evaluate"
@@ -67,26 +67,28 @@ CI_METRICS = ("recall@1", "ndcg@3")
 
 
 class BenchParams(StageConfig):
-    taus: list[float] = [0.9, 0.7, 0.5, 0.3]
-    batch_sizes: list[int] = [1, 16]
-    examples: int = 64  # the first N test re-ranking examples (the same for every decoder)
+    taus: list[Unit] = [0.9, 0.7, 0.5, 0.3]
+    batch_sizes: list[Count] = [1, 16]
+    examples: Count = 64  # the first N test re-ranking examples (the same for every decoder)
     models: list[str] = ["dgr2-cft", "dgr2"]  # diffusion models raced against GR2 (those that exist)
-    sub_block_sizes: list[int] = []  # extra diffusion rows decoding sub-block by sub-block (each must divide the block)
+    sub_block_sizes: list[Count] = []  # extra diffusion rows decoding sub-block by sub-block (each must divide the block)
 
 
 class EvaluateConfig(StageConfig):
     splits: list[str] = ["valid", "test"]
-    batch_size: int = 32
-    max_new_tokens: int = 320
-    max_examples: int = 0  # per split; 0 = every re-ranking example
+    batch_size: Count = 32
+    max_new_tokens: Count = 320
+    max_examples: Cap = 0  # per split; 0 = every re-ranking example
     # The diffusion rows on the first N of those (0 = all of them): their threshold decoder
     # costs ~4x GR2's per example on 2 cores. Their paired differences use the same N.
-    diffusion_max_examples: int = 0
-    seed: int = 0
-    bootstrap: int = 2000  # resamples of the examples for every interval (paired for differences)
-    tau: float = 0.9  # commit threshold of the diffusion decoder in the accuracy table
-    sub_block_size: int | None = None  # the accuracy table's diffusion decoder commits within sub-blocks of this size
-    naive_block_size: int = 32  # block size of dgr2-naive when no diffusion checkpoint says otherwise
+    diffusion_max_examples: Cap = 0
+    seed: Seed = 0
+    bootstrap: Count = 2000  # resamples of the examples for every interval (paired for differences)
+    tau: Unit = 0.9  # commit threshold of the diffusion decoder in the accuracy table
+    # The accuracy table's diffusion decoder commits within sub-blocks of this size; that it divides
+    # the block size is checked at decode time (the block size is the checkpoint's, not a param here).
+    sub_block_size: Count | None = None
+    naive_block_size: Count = 32  # block size of dgr2-naive when no diffusion checkpoint says otherwise
     bench: BenchParams = BenchParams()
 
 

@@ -41,7 +41,7 @@ from gr2model.midtrain import (
 from gr2model.sft import SFTConfig, _loss_sums, collate_right_padded, run_train_loop
 from gr2model.teacher import TRACE_WORDS
 from gr2model.tokenizer import build_tokenizer, extend_pretrained_tokenizer, special_ids
-from tasks.common import StageConfig, atomic_dir, stage_main, timed
+from tasks.common import Seed, StageConfig, atomic_dir, stage_main, timed
 from tasks.tracking import StageTracker
 from tasks.traces import load_format
 
@@ -53,7 +53,7 @@ METRICS = Path("metrics/midtrain.json")
 
 
 class MidtrainConfig(StageConfig):
-    seed: int = 0  # model initialisation
+    seed: Seed = 0  # model initialisation
     # The library's configs are the params schema (unknown keys and bad values name the field).
     model: ARModelConfig = ARModelConfig(hidden_size=128, num_layers=2, intermediate_size=384)
     train: SFTConfig = SFTConfig(epochs=1, lr=2e-3)

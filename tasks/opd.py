@@ -24,7 +24,7 @@ from gr2model.checkpoint import load_hf_checkpoint, read_stage_config, save_hf_c
 from gr2model.opd import OPDConfig, train_opd
 from gr2model.rewards import RewardConfig
 from tasks.ar_rl import first_last_summary, rewarded_prompts
-from tasks.common import StageConfig, atomic_dir, stage_main, timed
+from tasks.common import Cap, Seed, StageConfig, atomic_dir, stage_main, timed
 from tasks.tracking import StageTracker
 
 STAGE = "opd"
@@ -35,8 +35,8 @@ METRICS = Path("metrics/opd.json")
 
 
 class OpdStageConfig(StageConfig):
-    seed: int = 0
-    max_prompts: int = 2000  # training re-ranking examples the prompts are drawn from (0 = all)
+    seed: Seed = 0
+    max_prompts: Cap = 2000  # training re-ranking examples the prompts are drawn from (0 = all)
     # The library's config is the params schema (unknown keys and bad values name the field).
     train: OPDConfig = OPDConfig()
 

@@ -13,10 +13,11 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import numpy as np
 import polars as pl
+from pydantic import Field
 
 from gr2model.data import (
     DataError,
@@ -28,8 +29,9 @@ from gr2model.data import (
     raw_reviews_files,
     save_prepared,
 )
+from gr2model.rerank_format import SID_LEVELS
 from gr2model.semantic_ids import build_semantic_ids, prefix_unique_share
-from tasks.common import StageConfig, stage_main, timed
+from tasks.common import Cap, Count, Seed, StageConfig, stage_main, timed
 from tasks.tracking import StageTracker
 
 STAGE = "prepare"
@@ -40,10 +42,12 @@ METRICS = Path("metrics/prepare.json")
 class SidBuilderConfig(StageConfig):
     """Residual k-means semantic ids, used when `sid_file` is null or the data is raw."""
 
-    dim: int = 64
-    levels: int = 3
-    codebook_size: int = 256
-    seed: int = 0
+    dim: Count = 64
+    # The built id is these levels plus a disambiguation code, and every later stage
+    # reads ids of exactly len(SID_LEVELS) codes (gr2model.rerank_format).
+    levels: Annotated[int, Field(ge=len(SID_LEVELS) - 1, le=len(SID_LEVELS) - 1)] = 3
+    codebook_size: Annotated[int, Field(ge=2)] = 256  # one centroid cannot tell items apart
+    seed: Seed = 0
 
 
 class PrepareConfig(StageConfig):
@@ -52,10 +56,12 @@ class PrepareConfig(StageConfig):
     sequence_file: str = "Beauty.txt"
     attributes_file: str | None = "Beauty_item2attributes.json"
     sid_file: str | None = "Beauty_item2sid_rqvae.json"
-    sid_length: int = 4
-    kcore: int = 5
-    min_seq_len: int = 3
-    max_users: int = 0
+    # The tokenizer and prompt format have one token level per code (SID_LEVELS).
+    sid_length: Annotated[int, Field(ge=len(SID_LEVELS), le=len(SID_LEVELS))] = 4
+    kcore: Count = 5
+    # Leave-one-out needs a training part, a validation and a test item.
+    min_seq_len: Annotated[int, Field(ge=3)] = 3
+    max_users: Cap = 0
     sid_builder: SidBuilderConfig = SidBuilderConfig()
 
 

@@ -14,11 +14,12 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import numpy as np
 import polars as pl
 import torch
+from pydantic import Field, ValidationInfo, field_validator
 
 from gr2model.baselines import EnsembleScorer, PopularityScorer, TransitionScorer, tune_weight
 from gr2model.candidates import (
@@ -33,7 +34,8 @@ from gr2model.data import load_prepared
 from gr2model.retriever import RetrieverSpec, save_retriever
 from gr2model.sasrec import SASRecConfig, SASRecScorer, SASRecTrainConfig, train_sasrec
 from gr2model.scoring import Scorer, evaluate_full_ranking
-from tasks.common import StageConfig, atomic_dir, stage_main, timed
+from gr2model.rerank_format import MAX_POSITIONS
+from tasks.common import Cap, Count, NonNegative, Positive, Seed, StageConfig, atomic_dir, stage_main, timed
 from tasks.tracking import StageTracker
 
 STAGE = "retrieve"
@@ -43,47 +45,61 @@ CANDIDATES = Path("data/candidates")
 METRICS = Path("metrics/retrieve.json")
 
 
+# (0, 1]: a decay of 0 would silence every item but the first (gr2model.baselines.TransitionScorer).
+Decay = Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)]
+
+
 class SASRecParams(StageConfig):
-    max_len: int = 50
-    hidden: int = 64
-    heads: int = 2
-    layers: int = 2
-    dropout: float = 0.2
+    max_len: Count = 50
+    hidden: Count = 64
+    heads: Count = 2
+    layers: Count = 2
+    dropout: Annotated[float, Field(ge=0, lt=1, allow_inf_nan=False)] = 0.2  # 1 would zero every activation
+
+    @field_validator("heads")
+    @classmethod
+    def _heads_divide_hidden(cls, heads: int, info: ValidationInfo) -> int:
+        # Checked here, not when the model is built, so the error comes before any work.
+        hidden = info.data.get("hidden")
+        if hidden is not None and hidden % heads:
+            raise ValueError(f"{heads} heads do not divide hidden {hidden}")
+        return heads
 
 
 class TrainParams(StageConfig):
-    epochs: int = 200
-    batch_size: int = 128
-    lr: float = 1e-3
-    weight_decay: float = 0.0
-    patience: int = 5
-    num_negatives: int = 0
-    eval_every: int = 1
-    max_valid_users: int = 0
+    epochs: Count = 200
+    batch_size: Count = 128
+    lr: Positive = 1e-3
+    weight_decay: NonNegative = 0.0
+    patience: Count = 5
+    num_negatives: Cap = 0  # 0 = full softmax
+    eval_every: Count = 1
+    max_valid_users: Cap = 0  # 0 = all
 
 
 class TransitionParams(StageConfig):
     """First-order transitions; defaults tuned on validation NDCG@10 (gr2model.baselines.TransitionScorer)."""
 
-    last_n: int = 10
-    decay: float = 0.6
-    window: int = 10
-    window_decay: float = 0.8
-    smoothing: float = 75.0
+    last_n: Count = 10
+    decay: Decay = 0.6
+    window: Count = 10
+    window_decay: Decay = 0.8
+    smoothing: Positive = 75.0  # > 0 keeps every score finite
 
 
 class RetrieveConfig(StageConfig):
-    seed: int = 0
-    k: int = 10
+    seed: Seed = 0
+    # At least 2 (one candidate leaves nothing to re-rank); at most the <pos_k> tokens of the vocabulary.
+    k: Annotated[int, Field(ge=2, le=MAX_POSITIONS)] = 10
     sasrec: SASRecParams = SASRecParams()
     train: TrainParams = TrainParams()
     transition: TransitionParams = TransitionParams()
     # Weights of the transition model added to SASRec's log-probabilities, tried on validation.
-    ensemble_grid: list[float] = [0.0, 0.25, 0.5, 1.0, 2.0]
-    crossfit_folds: int = 3
-    min_history: int = 1
-    train_positions_per_user: int = 0
-    eval_chunk_size: int = 2048
+    ensemble_grid: Annotated[list[NonNegative], Field(min_length=1)] = [0.0, 0.25, 0.5, 1.0, 2.0]
+    crossfit_folds: Annotated[int, Field(ge=2)] = 3  # cross-fitting needs two folds
+    min_history: Count = 1  # an empty history has nothing to score candidates from
+    train_positions_per_user: Cap = 0  # 0 = every position
+    eval_chunk_size: Count = 2048
 
 
 CONFIG = RetrieveConfig

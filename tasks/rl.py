@@ -23,7 +23,7 @@ from gr2model.checkpoint import load_hf_checkpoint, read_stage_config, save_hf_c
 from gr2model.diffusion_rl import DiffusionRLConfig, train_diffusion_rl
 from gr2model.rewards import RewardConfig
 from tasks.ar_rl import first_last_summary, rewarded_prompts
-from tasks.common import StageConfig, atomic_dir, stage_main, timed
+from tasks.common import Cap, NonNegative, Penalty, Seed, StageConfig, atomic_dir, stage_main, timed
 from tasks.tracking import StageTracker
 
 STAGE = "rl"
@@ -33,10 +33,10 @@ METRICS = Path("metrics/rl.json")
 
 
 class RlStageConfig(StageConfig):
-    seed: int = 0
-    max_prompts: int = 2000  # training re-ranking examples the prompts are drawn from (0 = all)
-    format_bonus: float = 0.2
-    invalid_penalty: float = -1.0
+    seed: Seed = 0
+    max_prompts: Cap = 2000  # training re-ranking examples the prompts are drawn from (0 = all)
+    format_bonus: NonNegative = 0.2
+    invalid_penalty: Penalty = -1.0
     # The library's config is the params schema (unknown keys and bad values name the field).
     train: DiffusionRLConfig = DiffusionRLConfig()
 

@@ -23,7 +23,7 @@ import torch
 from gr2model.ar_model import count_parameters
 from gr2model.checkpoint import load_hf_checkpoint, read_stage_config, save_hf_checkpoint
 from gr2model.sft import SFTConfig, train_sft
-from tasks.common import StageConfig, atomic_dir, stage_main, timed
+from tasks.common import Cap, Fraction, Seed, StageConfig, atomic_dir, stage_main, timed
 from tasks.tracking import StageTracker
 
 STAGE = "sft"
@@ -34,12 +34,12 @@ METRICS = Path("metrics/sft.json")
 
 
 class SftStageConfig(StageConfig):
-    seed: int = 0  # model initialisation and the train/valid split
+    seed: Seed = 0  # model initialisation and the train/valid split
     # The library's configs are the params schema (unknown keys and bad values name the field).
     # The model (size, pretrained_path) comes from checkpoints/gr2-base: see `midtrain.model`.
     train: SFTConfig = SFTConfig(epochs=2, lr=2e-3)
-    valid_fraction: float = 0.05  # traces held out for a validation loss
-    max_examples: int = 0  # 0 = every kept trace
+    valid_fraction: Fraction = 0.05  # traces held out for a validation loss (0: none)
+    max_examples: Cap = 0  # 0 = every kept trace
 
 
 CONFIG = SftStageConfig

@@ -31,7 +31,7 @@ from gr2model.data import load_prepared
 from gr2model.ltr_teacher import LTR_FEATURE_NAMES, LTRConfig, LTRTeacher, evidence_values
 from gr2model.rerank_format import MAX_EVIDENCE, FormatConfig, ItemText, evidence_levels, fit_evidence_bins
 from gr2model.teacher import ExpertTeacher, TeacherConfig, generate_traces, teacher_accuracy
-from tasks.common import StageConfig, atomic_dir, stage_main, timed
+from tasks.common import Cap, Count, Positive, Seed, StageConfig, atomic_dir, stage_main, timed
 from tasks.tracking import StageTracker
 
 STAGE = "traces"
@@ -49,17 +49,17 @@ class TracesConfig(StageConfig):
     teacher: Literal["ltr", "linear"] = "ltr"
     ltr: LTRConfig = LTRConfig()
     mode: Literal["rejection", "targeted"] = "rejection"
-    samples: int = 8
-    temperature: float = 1.0
-    target_tokens: int = 130
-    seed: int = 0
+    samples: Count = 8
+    temperature: Positive = 1.0
+    target_tokens: Count = 130
+    seed: Seed = 0
     rest_order: Literal["sampled", "incoming"] = "sampled"  # after the first item: the sample's order or the incoming one
     # The prompt format of the whole re-ranker (shared by sft ... evaluate through format.json).
-    history_len: int = 10
+    history_len: Cap = 10  # 0 writes no history
     with_attributes: bool = True
-    max_attributes: int = 3
+    max_attributes: Cap = 3  # 0 writes none
     answer: Literal["sid", "index"] = "sid"  # recommendations as semantic ids or as incoming positions
-    max_examples: int = 0  # 0 = every training re-ranking example; >0 keeps the first N (smoke runs)
+    max_examples: Cap = 0  # 0 = every training re-ranking example; >0 keeps the first N (smoke runs)
     # Also fit the LTR ranker on the prompt-visible features only (ltr_teacher.PROMPT_FEATURE_NAMES)
     # and report its accuracy: the ceiling of a student that reads only the prompt.
     prompt_ceiling: bool = True

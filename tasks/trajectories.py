@@ -22,7 +22,7 @@ from gr2model.rerank_eval import lm_rerank
 from gr2model.rerank_format import ItemText, rerank_metrics
 from tasks.ar_rl import training_prompts
 from tasks.traces import load_format
-from tasks.common import StageConfig, atomic_dir, stage_main, timed
+from tasks.common import Cap, Count, StageConfig, atomic_dir, stage_main, timed
 from tasks.tracking import StageTracker
 
 STAGE = "trajectories"
@@ -34,9 +34,9 @@ METRICS = Path("metrics/trajectories.json")
 
 
 class TrajectoriesConfig(StageConfig):
-    batch_size: int = 32
-    max_new_tokens: int = 320
-    max_examples: int = 0  # 0 = every training re-ranking example
+    batch_size: Count = 32
+    max_new_tokens: Count = 320
+    max_examples: Cap = 0  # 0 = every training re-ranking example
 
 
 CONFIG = TrajectoriesConfig

@@ -146,7 +146,8 @@ def test_loss_is_zero_when_student_and_teacher_agree(tok) -> None:
     teacher's causal one at every response position (same token shift), so the KL is 0."""
     teacher = tiny_model(tok, seed=0, scale=0.3)
     student = convert_to_block_diffusion(teacher, tok, 1)
-    cfg = OPDConfig(rollouts_per_prompt=3, prompts_per_step=4, steps=1, lr=0.0, max_new_tokens=6, threshold=0.5)
+    # lr must be > 0 (OPDConfig); this small, the update changes nothing.
+    cfg = OPDConfig(rollouts_per_prompt=3, prompts_per_step=4, steps=1, lr=1e-12, max_new_tokens=6, threshold=0.5)
     for kind, k in (("forward", 0), ("reverse", 0), ("forward", 5)):
         run_cfg = replace(cfg, kind=kind, teacher_top_k=k)
         result = train_opd(student, teacher, tok, random_prompts(tok, 8, seed=2), run_cfg)
