@@ -38,6 +38,11 @@ Two answer formats (`FormatConfig.answer`):
   position token, `[ " <pos_3> " , " <pos_1> " , ... ]`. A small model trained
   from scratch copies one token per item far more reliably than four (measured:
   README "The answer format"); the explanation still cites items by semantic id.
+
+`FormatConfig.answer_first` writes `"recommendations"` before `"explanation"`:
+the ranking is decided right after the prompt, where its first token is trained
+as a direct choice among the candidates, and the explanation justifies it. The
+parser judges both orders alike.
 """
 
 from __future__ import annotations
@@ -184,12 +189,17 @@ class FormatConfig:
     evidence_bins: for each evidence feature, the ascending thresholds that cut
         its values into levels (level = how many thresholds the value reaches;
         at most EVIDENCE_LEVELS - 1 thresholds), fitted on the training lists.
+    answer_first: the response writes "recommendations" before "explanation"
+        (the decision right after the prompt, the explanation justifying it);
+        False: the paper's order, the explanation first. The parser accepts
+        either order, so this changes what is trained, not what is judged.
     """
 
     history_len: int = 10
     with_attributes: bool = True
     max_attributes: int = 3
     answer: str = "sid"
+    answer_first: bool = False
     evidence: tuple[str, ...] = ()
     evidence_bins: tuple[tuple[float, ...], ...] = ()
 
@@ -421,7 +431,8 @@ def build_response(
     """The response text, without the end token:
     `{ "explanation" : " w1 ... wn " , "recommendations" : [ " <a_..> <b_..> <c_..> <d_..> " , ... ] }`
     (answer "sid"), or with `" <pos_k> "` entries (answer "index": k is the
-    item's 1-based position in `candidates`, the incoming order).
+    item's 1-based position in `candidates`, the incoming order); with
+    fmt.answer_first the two members swap places (`{ "recommendations" : [ ... ] , "explanation" : " ... " }`).
 
     The ranking is written as given (not checked to be a permutation), so invalid
     answers can be built on purpose; `parse_response` is the judge.
@@ -439,18 +450,20 @@ def build_response(
         if candidates is None:
             raise ValueError("the index answer format needs the candidates (incoming order)")
         position = {int(c): k for k, c in enumerate(candidates, start=1)}
-    tokens = ["{", EXPLANATION_KEY, ":", '"', *explanation_tokens, '"', ",", RECOMMENDATIONS_KEY, ":", "["]
+    explanation = [EXPLANATION_KEY, ":", '"', *explanation_tokens, '"']
+    recommendations = [RECOMMENDATIONS_KEY, ":", "["]
     for i, item in enumerate(ranking):
         if i:
-            tokens.append(",")
+            recommendations.append(",")
         if index:
             if int(item) not in position:
                 raise ValueError(f"ranked item {item} is not a candidate")
-            tokens += ['"', pos_token(position[int(item)]), '"']
+            recommendations += ['"', pos_token(position[int(item)]), '"']
         else:
-            tokens += ['"', *items.sid_tokens(item), '"']
-    tokens += ["]", "}"]
-    return " ".join(tokens)
+            recommendations += ['"', *items.sid_tokens(item), '"']
+    recommendations.append("]")
+    first, second = (recommendations, explanation) if fmt is not None and fmt.answer_first else (explanation, recommendations)
+    return " ".join(["{", *first, ",", *second, "}"])
 
 
 def build_full_text(prompt: str, response: str) -> str:

@@ -59,6 +59,7 @@ class TracesConfig(StageConfig):
     with_attributes: bool = True
     max_attributes: Cap = 3  # 0 writes none
     answer: Literal["sid", "index"] = "sid"  # recommendations as semantic ids or as incoming positions
+    answer_first: bool = False  # the response writes the recommendations before the explanation
     max_examples: Cap = 0  # 0 = every training re-ranking example; >0 keeps the first N (smoke runs)
     # Also fit the LTR ranker on the prompt-visible features only (ltr_teacher.PROMPT_FEATURE_NAMES)
     # and report its accuracy: the ceiling of a student that reads only the prompt.
@@ -101,7 +102,8 @@ def run(cfg: TracesConfig, root: Path, log: logging.Logger, tracker: StageTracke
     train = pl.read_parquet(root / CANDIDATES / "train.parquet")
     valid = pl.read_parquet(root / CANDIDATES / "valid.parquet")
     fmt = FormatConfig(
-        history_len=cfg.history_len, with_attributes=cfg.with_attributes, max_attributes=cfg.max_attributes, answer=cfg.answer
+        history_len=cfg.history_len, with_attributes=cfg.with_attributes, max_attributes=cfg.max_attributes, answer=cfg.answer,
+        answer_first=cfg.answer_first,
     )
     items = ItemText(ds.items)
 

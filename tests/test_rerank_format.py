@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import polars as pl
 import pytest
@@ -272,6 +273,23 @@ def test_index_response_round_trips(items: ItemText, ranking: list[int]) -> None
     assert p == ParsedResponse(True, True, ranking, " ".join(words), "", ranking == CANDS)
     # The same text judged as the sid format is not a well-formed answer.
     assert parse_response(text, CANDS, items).error == "bad id"
+
+
+@pytest.mark.parametrize("answer", ["index", "sid"])
+@pytest.mark.parametrize("ranking", [[9, 3, 7, 5], [3, 5, 7, 9]])
+def test_answer_first_response_round_trips(items: ItemText, answer: str, ranking: list[int]) -> None:
+    fmt = FormatConfig(history_len=2, with_attributes=False, answer=answer, answer_first=True)
+    words = ["first", "<a_9>", "<b_19>", "<c_29>", "<d_0>", "because"]
+    text = build_response(words, ranking, items, fmt=fmt, candidates=CANDS)
+    # The decision comes right after the opening brace; the explanation follows it.
+    assert text.startswith('{ "recommendations" : [ "')
+    assert text.endswith('"explanation" : " first <a_9> <b_19> <c_29> <d_0> because " }')
+    assert list(json.loads(text)) == ["recommendations", "explanation"]
+    p = parse_response(f"{text} {EOS}", CANDS, items, fmt=fmt)
+    assert p == ParsedResponse(True, True, ranking, " ".join(words), "", ranking == CANDS)
+    # The same ranking and words in the paper's order parse to the same answer.
+    plain = build_response(words, ranking, items, fmt=replace(fmt, answer_first=False), candidates=CANDS)
+    assert plain != text and parse_response(plain, CANDS, items, fmt=fmt) == p
 
 
 @pytest.mark.parametrize(
