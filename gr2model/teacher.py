@@ -498,12 +498,22 @@ class Teacher(Protocol):
         ...
 
 
+TRACE_MODES: tuple[str, ...] = ("rejection", "targeted", "distill")
+
+
 @dataclass(frozen=True)
 class TeacherConfig:
     """How traces are generated.
 
-    mode: "rejection" (sample rankings, keep one whose first item is the target)
-        or "targeted" (the teacher's ranking with the target moved first).
+    mode: "rejection" (sample rankings, keep one whose first item is the target),
+        "targeted" (the teacher's ranking with the target moved first) or
+        "distill" (the teacher's own ranking, the argsort of its scores, without
+        the target: sequence-level distillation; every example gets a trace).
+        The target is a noisy label (the best ranker here finds it first in
+        about a third of the lists), while the teacher's choice is a
+        deterministic function of the evidence the prompt shows: a small
+        student learns to imitate the function and only the prior from the
+        noisy label (measured: README "Measured here").
     samples: rejection: rankings sampled per example at most.
     temperature: rejection: Plackett-Luce temperature on the teacher's scores.
     target_tokens: explanation length to aim for (whitespace tokens).
@@ -518,7 +528,7 @@ class TeacherConfig:
         where the teacher has nothing better to say.
     """
 
-    mode: Literal["rejection", "targeted"] = "rejection"
+    mode: Literal["rejection", "targeted", "distill"] = "rejection"
     samples: int = 8
     temperature: float = 1.0
     target_tokens: int = 130
@@ -526,8 +536,8 @@ class TeacherConfig:
     rest_order: Literal["sampled", "incoming"] = "sampled"
 
     def __post_init__(self) -> None:
-        if self.mode not in ("rejection", "targeted"):
-            raise ValueError(f"mode must be 'rejection' or 'targeted', got {self.mode!r}")
+        if self.mode not in TRACE_MODES:
+            raise ValueError(f"mode must be one of {TRACE_MODES}, got {self.mode!r}")
         check(self, "samples", ge=1)
         check(self, "temperature", gt=0)
         check(self, "target_tokens", ge=1)
@@ -991,7 +1001,8 @@ def generate_traces(
     """Write the teacher's traces for the re-ranking examples (target_rank >= 0) of `lists`.
 
     targeted: the teacher's ranking (argsort of its scores) with the target moved
-    to the top. rejection: up to cfg.samples Plackett-Luce rankings on
+    to the top. distill: the teacher's ranking as it is (the target unused).
+    rejection: up to cfg.samples Plackett-Luce rankings on
     score / temperature; the first whose top item is the target is kept; if none
     is, the example gets no trace (kept False, response "", ranking []).
 
@@ -1018,9 +1029,9 @@ def generate_traces(
         rng = _example_rng(cfg.seed, user_id, position)
         s = teacher.score(history, cands, cand_scores, fold=fold)
         ranking: list[int] = []
-        if cfg.mode == "targeted":
+        if cfg.mode in ("targeted", "distill"):
             order = [cands[i] for i in np.argsort(-s, kind="stable")]
-            ranking = [target] + [c for c in order if c != target]
+            ranking = [target] + [c for c in order if c != target] if cfg.mode == "targeted" else order
             tried = 1
         else:
             tried = 0

@@ -7,7 +7,9 @@ fitted on the training lists and early-stopped on validation, "linear" with the
 expert's (gr2model.teacher.ExpertTeacher) conditional logit. Test accuracy is
 reported, never used for fitting. Rejection
 sampling (default) keeps a sampled ranking only when it puts the target first;
-targeted mode explains a ranking with the target moved first. The prompt format
+targeted mode explains a ranking with the target moved first; distill mode
+explains the teacher's own ranking (no target), so the student imitates the
+teacher's choice rather than a noisy label. The prompt format
 chosen here is written to `data/traces/format.json` and used by every later stage.
 
     python -m tasks.traces
@@ -48,7 +50,7 @@ class TracesConfig(StageConfig):
     # conditional logit on its 10 features. Both explain with the expert's evidence.
     teacher: Literal["ltr", "linear"] = "ltr"
     ltr: LTRConfig = LTRConfig()
-    mode: Literal["rejection", "targeted"] = "rejection"
+    mode: Literal["rejection", "targeted", "distill"] = "rejection"
     samples: Count = 8
     temperature: Positive = 1.0
     target_tokens: Count = 130

@@ -115,7 +115,7 @@ def traces(world):
     """{mode: (traces, stats)} of the training lists with the default config (generated once)."""
     return {
         mode: generate_traces(world["teacher"], world["train"], world["text"], FormatConfig(), TeacherConfig(mode=mode))
-        for mode in ("rejection", "targeted")
+        for mode in ("rejection", "targeted", "distill")
     }
 
 
@@ -235,6 +235,22 @@ def test_targeted_traces_rank_target_first(world, traces) -> None:
     assert (traces["ranking"].list.first() == traces["target"]).all()
 
 
+def test_distill_traces_follow_the_teacher_not_the_target(world, traces) -> None:
+    traces, stats = traces["distill"]
+    lists = world["train"]
+    assert traces["kept"].all() and stats["kept_rate"] == 1.0
+    # Each ranking is the teacher's own order of the candidates (the target plays no part) ...
+    for hist, cands, scores, fold, ranking in zip(
+        lists["history"].to_list(), lists["candidates"].to_list(), lists["cand_scores"].to_list(),
+        lists["fold"].to_list(), traces["ranking"].to_list(), strict=True,
+    ):  # fmt: skip
+        s = world["teacher"].score(hist, cands, scores, fold=fold)
+        assert ranking == [cands[i] for i in np.argsort(-s, kind="stable")]
+    # ... so it puts the target first only where the teacher does, not always.
+    first_is_target = (traces["ranking"].list.first() == traces["target"]).mean()
+    assert 0.0 < first_is_target < 1.0
+
+
 def test_rejection_keeps_only_target_first(world, traces) -> None:
     traces, stats = traces["rejection"]  # samples 8, temperature 1
     kept = traces.filter("kept")
@@ -252,7 +268,7 @@ def test_rejection_keeps_only_target_first(world, traces) -> None:
     assert one["kept"].mean() < traces.head(300)["kept"].mean()
 
 
-@pytest.mark.parametrize("mode", ["rejection", "targeted"])
+@pytest.mark.parametrize("mode", ["rejection", "targeted", "distill"])
 def test_responses_parse_and_use_closed_vocabulary(world, traces, mode: str) -> None:
     text, lists = world["text"], world["train"]
     traces, stats = traces[mode]
