@@ -1,0 +1,145 @@
+"""Can a student learn the re-ranking decision from these labels? A lever probe on a pipeline workspace.
+
+Trains a fresh student of the `midtrain.model` size on answer-only responses
+(`{ "recommendations" : [ ... ] , "explanation" : " " }`, the first item
+followed by the rest in the incoming order) for every training re-ranking
+example of the workspace, labelled one of three ways:
+
+- `rejection`: the target, on the examples the traces stage kept by rejection
+  sampling (data/traces/train.parquet `kept`; run traces with `mode: rejection`);
+- `targeted`: the target, on every example;
+- `distill`: the teacher's own first choice (data/traces/teacher.json and
+  teacher_ltr.txt, cross-fitted co-purchase statistics as in `traces`), on every example.
+
+It then reads the decision on every validation re-ranking example: one forward
+over the prompt and `{ "recommendations" : [ "`, the argmax over the K position
+tokens, and reports R@1 and NDCG@3 against the incoming order with paired
+bootstrap intervals, and how often the student keeps the incoming first item.
+Answer-only training isolates the decision from the explanation; the pipeline's
+`sft` trains the full traces.
+
+    python experiments/decision_probe.py --root WORKSPACE --labels distill --epochs 2
+
+Prints one JSON line. Measured results: README "Measured here".
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+import torch
+
+from gr2model.ar_model import ARModelConfig, count_parameters
+from gr2model.data import load_prepared
+from gr2model.ltr_teacher import LTRConfig, LTRTeacher
+from gr2model.metrics import bootstrap_ci, per_example_gain
+from gr2model.rerank_eval import prompts_of, rerank_examples
+from gr2model.rerank_format import ItemText, pos_token
+from gr2model.sft import SFTConfig, train_sft
+from gr2model.teacher import ExpertTeacher
+from tasks.midtrain import MidtrainConfig, build_model_and_tokenizer
+from tasks.traces import load_format, load_lists, user_folds_from_lists
+
+PREFIX = '{ "recommendations" : [ "'
+
+
+def answer(first: int, k: int) -> str:
+    """Answer-only response promoting incoming position `first` (1-based), the rest in the incoming order."""
+    order = [first] + [j for j in range(1, k + 1) if j != first]
+    return PREFIX[:-2] + " " + " , ".join(f'" {pos_token(j)} "' for j in order) + ' ] , "explanation" : " " }'
+
+
+def teacher_firsts(root: Path, ds, split: pl.DataFrame, lists: pl.DataFrame) -> np.ndarray:
+    """(n,) 1-based incoming position of the teacher's top candidate in each list (cross-fitted, as `traces`)."""
+    info = json.loads((root / "data/traces/teacher.json").read_text())
+    folds = user_folds_from_lists(split, pl.read_parquet(root / "data/candidates/train.parquet"))
+    expert = ExpertTeacher(ds.items, split["train"].to_list(), ds.num_items, folds=folds)
+    expert.set_weights(info["weights"], info["evidence_weights"])
+    teacher = LTRTeacher(expert, LTRConfig(**info["ltr"]["config"]))
+    teacher.load_model_text((root / "data/traces" / info["ltr"]["model"]).read_text())
+    rows = zip(lists["history"].to_list(), lists["candidates"].to_list(), lists["cand_scores"].to_list(), lists["fold"].to_list())
+    return np.array([int(np.argmax(teacher.score(h, c, s, fold=f))) + 1 for h, c, s, f in rows])
+
+
+@torch.no_grad()
+def read_decisions(model, tok, prompts: list[str], k: int, batch_size: int = 64) -> np.ndarray:
+    """(n,) 1-based position the model promotes: argmax over <pos_1..k> after the answer prefix."""
+    pos_ids = [tok.convert_tokens_to_ids(pos_token(j)) for j in range(1, k + 1)]
+    ids = [tok(p + " " + PREFIX, add_special_tokens=False)["input_ids"] for p in prompts]
+    out = []
+    for s in range(0, len(ids), batch_size):
+        chunk = ids[s : s + batch_size]
+        x = torch.full((len(chunk), max(map(len, chunk))), tok.pad_token_id)
+        mask = torch.zeros_like(x)
+        for i, c in enumerate(chunk):
+            x[i, : len(c)] = torch.tensor(c)
+            mask[i, : len(c)] = 1
+        logits = model(input_ids=x, attention_mask=mask).logits
+        last = logits[torch.arange(len(chunk)), mask.sum(1) - 1]
+        out += (last[:, pos_ids].argmax(-1) + 1).tolist()
+    return np.array(out)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--root", type=Path, required=True, help="a workspace that ran `traces`")
+    p.add_argument("--labels", choices=["rejection", "targeted", "distill"], default="distill")
+    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-examples", type=int, default=0, help="train on the first N shuffled examples (0: all)")
+    a = p.parse_args()
+    root = a.root
+    torch.manual_seed(a.seed)
+    fmt = load_format(root)
+    ds, split = load_prepared(root / "data/prepared")
+    traces = pl.read_parquet(root / "data/traces/train.parquet").select("user_id", "position", "kept", "prompt")
+    lists = rerank_examples(load_lists(root, "train")).join(traces, on=["user_id", "position"], how="inner", maintain_order="left")
+    k = len(lists["candidates"][0])
+    if a.labels == "rejection":
+        mode = json.loads((root / "data/traces/teacher.json").read_text())["config"]["mode"]
+        if mode != "rejection":
+            raise SystemExit(f"{root}/data/traces: written with traces.mode {mode!r}; --labels rejection needs mode 'rejection'")
+        lists = lists.filter(pl.col("kept"))
+    firsts = teacher_firsts(root, ds, split, lists) if a.labels == "distill" else lists["target_rank"].to_numpy() + 1
+    pairs = [(prompt, answer(int(f), k)) for prompt, f in zip(lists["prompt"].to_list(), firsts)]
+    random.Random(a.seed).shuffle(pairs)
+    if a.max_examples:
+        pairs = pairs[: a.max_examples]
+
+    size = MidtrainConfig.model_validate(_midtrain_params(root)).model
+    model, tok = build_model_and_tokenizer(MidtrainConfig(model=size, seed=a.seed), ds.items, len(fmt.evidence))
+    t0 = time.perf_counter()
+    model = train_sft(model, tok, pairs, SFTConfig(epochs=a.epochs, batch_size=a.batch_size, lr=a.lr, answer_weight=1.0, seed=a.seed)).model.eval()
+    train_s = time.perf_counter() - t0
+
+    valid = rerank_examples(load_lists(root, "valid"))
+    promoted = read_decisions(model, tok, prompts_of(valid, ItemText(ds.items), fmt), k)
+    incoming = valid["target_rank"].to_numpy()  # 0-based rank of the target in the incoming order
+    # Promoting position f moves the target to the top when f is its position, else shifts it down by one if it stood before f.
+    ranks = np.where(promoted == incoming + 1, 0, np.where(incoming + 1 < promoted, incoming + 1, incoming))
+    out: dict[str, object] = {"labels": a.labels, "train_examples": len(pairs), "parameters": count_parameters(model),
+                              "epochs": a.epochs, "train_s": round(train_s, 1), "n": len(ranks),
+                              "copy_incoming_rate": float((promoted == 1).mean())}  # fmt: skip
+    for metric in ("recall@1", "ndcg@3"):
+        mine, base = per_example_gain(ranks, metric), per_example_gain(incoming, metric)
+        out[metric] = float(mine.mean())
+        out[f"{metric}_vs_prerank"] = {"diff": float(mine.mean() - base.mean()), "ci95": bootstrap_ci(mine, baseline=base)}
+    print(json.dumps(out))
+
+
+def _midtrain_params(root: Path) -> dict:
+    import yaml  # the workspace's params: the probe's student has the pipeline's model size
+
+    return yaml.safe_load((root / "params.yaml").read_text())["midtrain"]
+
+
+if __name__ == "__main__":
+    main()
