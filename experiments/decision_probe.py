@@ -15,8 +15,10 @@ It then reads the decision on every validation re-ranking example: one forward
 over the prompt and `{ "recommendations" : [ "`, the argmax over the K position
 tokens, and reports R@1 and NDCG@3 against the incoming order with paired
 bootstrap intervals, and how often the student keeps the incoming first item.
-Answer-only training isolates the decision from the explanation; the pipeline's
-`sft` trains the full traces.
+Answer-only training isolates the decision from the explanation;
+`--responses traces` trains the traces as the `traces` stage wrote them (what
+`sft` trains on), `--init checkpoints/gr2-base` starts where `sft` starts, and
+`--answer-weight` sets the answer tokens' loss weight (sft.train.answer_weight).
 
     python experiments/decision_probe.py --root WORKSPACE --labels distill --epochs 2
 
@@ -35,7 +37,8 @@ import numpy as np
 import polars as pl
 import torch
 
-from gr2model.ar_model import ARModelConfig, count_parameters
+from gr2model.ar_model import count_parameters
+from gr2model.checkpoint import load_hf_checkpoint
 from gr2model.data import load_prepared
 from gr2model.ltr_teacher import LTRConfig, LTRTeacher
 from gr2model.metrics import bootstrap_ci, per_example_gain
@@ -95,6 +98,10 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-examples", type=int, default=0, help="train on the first N shuffled examples (0: all)")
+    p.add_argument("--init", type=Path, default=None, help="start from this checkpoint (e.g. checkpoints/gr2-base) instead of a fresh student")
+    p.add_argument("--responses", choices=["answer", "traces"], default="answer",
+                   help="answer: answer-only responses with the --labels first item; traces: the traces as written (their own ranking and explanation)")
+    p.add_argument("--answer-weight", type=float, default=None, help="loss weight of the answer tokens (default: 1 for answer-only, sft's 2 for traces)")
     a = p.parse_args()
     root = a.root
     torch.manual_seed(a.seed)
@@ -108,16 +115,26 @@ def main() -> None:
         if mode != "rejection":
             raise SystemExit(f"{root}/data/traces: written with traces.mode {mode!r}; --labels rejection needs mode 'rejection'")
         lists = lists.filter(pl.col("kept"))
-    firsts = teacher_firsts(root, ds, split, lists) if a.labels == "distill" else lists["target_rank"].to_numpy() + 1
-    pairs = [(prompt, answer(int(f), k)) for prompt, f in zip(lists["prompt"].to_list(), firsts)]
+    if a.responses == "traces":
+        lists = lists.join(pl.read_parquet(root / "data/traces/train.parquet").select("user_id", "position", "response"),
+                           on=["user_id", "position"], how="inner", maintain_order="left").filter(pl.col("response") != "")  # fmt: skip
+        pairs = list(zip(lists["prompt"].to_list(), lists["response"].to_list()))
+    else:
+        firsts = teacher_firsts(root, ds, split, lists) if a.labels == "distill" else lists["target_rank"].to_numpy() + 1
+        pairs = [(prompt, answer(int(f), k)) for prompt, f in zip(lists["prompt"].to_list(), firsts)]
     random.Random(a.seed).shuffle(pairs)
     if a.max_examples:
         pairs = pairs[: a.max_examples]
 
-    size = MidtrainConfig.model_validate(_midtrain_params(root)).model
-    model, tok = build_model_and_tokenizer(MidtrainConfig(model=size, seed=a.seed), ds.items, len(fmt.evidence))
+    if a.init is not None:
+        model, tok = load_hf_checkpoint(a.init)
+    else:
+        size = MidtrainConfig.model_validate(_midtrain_params(root)).model
+        model, tok = build_model_and_tokenizer(MidtrainConfig(model=size, seed=a.seed), ds.items, len(fmt.evidence))
+    answer_weight = a.answer_weight if a.answer_weight is not None else (1.0 if a.responses == "answer" else 2.0)
+    cfg = SFTConfig(epochs=a.epochs, batch_size=a.batch_size, lr=a.lr, answer_weight=answer_weight, seed=a.seed)
     t0 = time.perf_counter()
-    model = train_sft(model, tok, pairs, SFTConfig(epochs=a.epochs, batch_size=a.batch_size, lr=a.lr, answer_weight=1.0, seed=a.seed)).model.eval()
+    model = train_sft(model, tok, pairs, cfg).model.eval()
     train_s = time.perf_counter() - t0
 
     valid = rerank_examples(load_lists(root, "valid"))
@@ -125,7 +142,7 @@ def main() -> None:
     incoming = valid["target_rank"].to_numpy()  # 0-based rank of the target in the incoming order
     # Promoting position f moves the target to the top when f is its position, else shifts it down by one if it stood before f.
     ranks = np.where(promoted == incoming + 1, 0, np.where(incoming + 1 < promoted, incoming + 1, incoming))
-    out: dict[str, object] = {"labels": a.labels, "train_examples": len(pairs), "parameters": count_parameters(model),
+    out: dict[str, object] = {"labels": a.labels, "responses": a.responses, "init": str(a.init), "answer_weight": answer_weight, "train_examples": len(pairs), "parameters": count_parameters(model),
                               "epochs": a.epochs, "train_s": round(train_s, 1), "n": len(ranks),
                               "copy_incoming_rate": float((promoted == 1).mean())}  # fmt: skip
     for metric in ("recall@1", "ndcg@3"):
