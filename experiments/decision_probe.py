@@ -70,6 +70,18 @@ def teacher_firsts(root: Path, ds, split: pl.DataFrame, lists: pl.DataFrame) -> 
     return np.array([int(np.argmax(teacher.score(h, c, s, fold=f))) + 1 for h, c, s, f in rows])
 
 
+def ranks_after_promotion(promoted: np.ndarray, incoming: np.ndarray) -> np.ndarray:
+    """(n,) 0-based rank of each target once the item at 1-based incoming position
+    `promoted` goes first and the rest keep the incoming order.
+
+    Args:
+        promoted: (n,) 1-based positions moved to the top.
+        incoming: (n,) 0-based ranks of the targets in the incoming order.
+    """
+    # The promoted item goes to 0; items that stood before it move down by one; those after it stay.
+    return np.where(promoted == incoming + 1, 0, np.where(incoming + 1 < promoted, incoming + 1, incoming))
+
+
 @torch.no_grad()
 def read_decisions(model, tok, prompts: list[str], k: int, batch_size: int = 64) -> np.ndarray:
     """(n,) 1-based position the model promotes: argmax over <pos_1..k> after the answer prefix."""
@@ -140,8 +152,7 @@ def main() -> None:
     valid = rerank_examples(load_lists(root, "valid"))
     promoted = read_decisions(model, tok, prompts_of(valid, ItemText(ds.items), fmt), k)
     incoming = valid["target_rank"].to_numpy()  # 0-based rank of the target in the incoming order
-    # Promoting position f moves the target to the top when f is its position, else shifts it down by one if it stood before f.
-    ranks = np.where(promoted == incoming + 1, 0, np.where(incoming + 1 < promoted, incoming + 1, incoming))
+    ranks = ranks_after_promotion(promoted, incoming)
     out: dict[str, object] = {"labels": a.labels, "responses": a.responses, "init": str(a.init), "answer_weight": answer_weight, "train_examples": len(pairs), "parameters": count_parameters(model),
                               "epochs": a.epochs, "train_s": round(train_s, 1), "n": len(ranks),
                               "copy_incoming_rate": float((promoted == 1).mean())}  # fmt: skip
