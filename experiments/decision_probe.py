@@ -31,6 +31,7 @@ import argparse
 import json
 import random
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -40,32 +41,28 @@ import torch
 from gr2model.ar_model import count_parameters
 from gr2model.checkpoint import load_hf_checkpoint
 from gr2model.data import load_prepared
-from gr2model.ltr_teacher import LTRConfig, LTRTeacher
-from gr2model.metrics import bootstrap_ci, per_example_gain
+from gr2model.metrics import ranking_metrics
 from gr2model.rerank_eval import prompts_of, rerank_examples
-from gr2model.rerank_format import ItemText, pos_token
+from gr2model.rerank_format import FormatConfig, ItemText, build_response, pos_token
 from gr2model.sft import SFTConfig, train_sft
-from gr2model.teacher import ExpertTeacher
+from tasks.evaluate import add_intervals, load_teacher
 from tasks.midtrain import MidtrainConfig, build_model_and_tokenizer
 from tasks.traces import load_format, load_lists, user_folds_from_lists
 
-PREFIX = '{ "recommendations" : [ "'
+PREFIX = '{ "recommendations" : [ "'  # what an answer-first response writes before its first choice
 
 
-def answer(first: int, k: int) -> str:
-    """Answer-only response promoting incoming position `first` (1-based), the rest in the incoming order."""
-    order = [first] + [j for j in range(1, k + 1) if j != first]
-    return PREFIX[:-2] + " " + " , ".join(f'" {pos_token(j)} "' for j in order) + ' ] , "explanation" : " " }'
+def answer(first: int, candidates: list[int], items: ItemText, fmt: FormatConfig) -> str:
+    """Answer-first response with an empty explanation, promoting incoming position
+    `first` (1-based) with the rest in the incoming order."""
+    ranking = [candidates[first - 1]] + [c for i, c in enumerate(candidates, start=1) if i != first]
+    return build_response([], ranking, items, fmt=replace(fmt, answer_first=True), candidates=candidates)
 
 
 def teacher_firsts(root: Path, ds, split: pl.DataFrame, lists: pl.DataFrame) -> np.ndarray:
     """(n,) 1-based incoming position of the teacher's top candidate in each list (cross-fitted, as `traces`)."""
-    info = json.loads((root / "data/traces/teacher.json").read_text())
     folds = user_folds_from_lists(split, pl.read_parquet(root / "data/candidates/train.parquet"))
-    expert = ExpertTeacher(ds.items, split["train"].to_list(), ds.num_items, folds=folds)
-    expert.set_weights(info["weights"], info["evidence_weights"])
-    teacher = LTRTeacher(expert, LTRConfig(**info["ltr"]["config"]))
-    teacher.load_model_text((root / "data/traces" / info["ltr"]["model"]).read_text())
+    teacher = load_teacher(root, ds.items, split["train"].to_list(), ds.num_items, folds=folds)
     rows = zip(lists["history"].to_list(), lists["candidates"].to_list(), lists["cand_scores"].to_list(), lists["fold"].to_list())
     return np.array([int(np.argmax(teacher.score(h, c, s, fold=f))) + 1 for h, c, s, f in rows])
 
@@ -118,22 +115,24 @@ def main() -> None:
     root = a.root
     torch.manual_seed(a.seed)
     fmt = load_format(root)
+    if fmt.answer != "index":
+        raise SystemExit(f"{root}/data/traces/format.json: answer {fmt.answer!r}; the probe reads the decision as a position token (answer 'index')")
     ds, split = load_prepared(root / "data/prepared")
-    traces = pl.read_parquet(root / "data/traces/train.parquet").select("user_id", "position", "kept", "prompt")
+    traces = pl.read_parquet(root / "data/traces/train.parquet").select("user_id", "position", "kept", "prompt", "response")
     lists = rerank_examples(load_lists(root, "train")).join(traces, on=["user_id", "position"], how="inner", maintain_order="left")
-    k = len(lists["candidates"][0])
+    items = ItemText(ds.items)
     if a.labels == "rejection":
         mode = json.loads((root / "data/traces/teacher.json").read_text())["config"]["mode"]
         if mode != "rejection":
             raise SystemExit(f"{root}/data/traces: written with traces.mode {mode!r}; --labels rejection needs mode 'rejection'")
         lists = lists.filter(pl.col("kept"))
     if a.responses == "traces":
-        lists = lists.join(pl.read_parquet(root / "data/traces/train.parquet").select("user_id", "position", "response"),
-                           on=["user_id", "position"], how="inner", maintain_order="left").filter(pl.col("response") != "")  # fmt: skip
+        lists = lists.filter(pl.col("response") != "")
         pairs = list(zip(lists["prompt"].to_list(), lists["response"].to_list()))
     else:
         firsts = teacher_firsts(root, ds, split, lists) if a.labels == "distill" else lists["target_rank"].to_numpy() + 1
-        pairs = [(prompt, answer(int(f), k)) for prompt, f in zip(lists["prompt"].to_list(), firsts)]
+        rows = zip(lists["prompt"].to_list(), firsts, lists["candidates"].to_list())
+        pairs = [(prompt, answer(int(f), cands, items, fmt)) for prompt, f, cands in rows]
     random.Random(a.seed).shuffle(pairs)
     if a.max_examples:
         pairs = pairs[: a.max_examples]
@@ -150,16 +149,15 @@ def main() -> None:
     train_s = time.perf_counter() - t0
 
     valid = rerank_examples(load_lists(root, "valid"))
-    promoted = read_decisions(model, tok, prompts_of(valid, ItemText(ds.items), fmt), k)
+    promoted = read_decisions(model, tok, prompts_of(valid, items, fmt), len(valid["candidates"][0]))
     incoming = valid["target_rank"].to_numpy()  # 0-based rank of the target in the incoming order
-    ranks = ranks_after_promotion(promoted, incoming)
-    out: dict[str, object] = {"labels": a.labels, "responses": a.responses, "init": str(a.init), "answer_weight": answer_weight, "train_examples": len(pairs), "parameters": count_parameters(model),
-                              "epochs": a.epochs, "train_s": round(train_s, 1), "n": len(ranks),
-                              "copy_incoming_rate": float((promoted == 1).mean())}  # fmt: skip
-    for metric in ("recall@1", "ndcg@3"):
-        mine, base = per_example_gain(ranks, metric), per_example_gain(incoming, metric)
-        out[metric] = float(mine.mean())
-        out[f"{metric}_vs_prerank"] = {"diff": float(mine.mean() - base.mean()), "ci95": bootstrap_ci(mine, baseline=base)}
+    ranks = {"prerank": {"valid": incoming}, "probe": {"valid": ranks_after_promotion(promoted, incoming)}}
+    results = {name: {"valid": ranking_metrics(r["valid"], (1, 3, 5), (3, 5))} for name, r in ranks.items()}
+    add_intervals(results, ranks, n_boot=2000, seed=0)  # evaluate's intervals: paired differences to prerank
+    out: dict[str, object] = {"labels": a.labels, "responses": a.responses, "init": str(a.init), "answer_weight": answer_weight,
+                              "train_examples": len(pairs), "parameters": count_parameters(model), "epochs": a.epochs,
+                              "train_s": round(train_s, 1), "copy_incoming_rate": float((promoted == 1).mean()),
+                              **results["probe"]["valid"]}  # fmt: skip
     print(json.dumps(out))
 
 

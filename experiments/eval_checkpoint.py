@@ -18,11 +18,13 @@ import json
 import time
 from pathlib import Path
 
+import numpy as np
+
 from gr2model.checkpoint import load_hf_checkpoint
 from gr2model.data import load_prepared
-from gr2model.metrics import bootstrap_ci, per_example_gain
-from gr2model.rerank_eval import lm_rerank, rerank_examples
-from gr2model.rerank_format import ItemText, rerank_metrics, target_ranks
+from gr2model.rerank_eval import fixed_rankings, lm_rerank, rerank_examples
+from gr2model.rerank_format import ItemText
+from tasks.evaluate import add_intervals, scored
 from tasks.traces import load_format, load_lists
 
 
@@ -37,21 +39,23 @@ def main() -> None:
     fmt = load_format(a.root)
     ds, _ = load_prepared(a.root / "data/prepared")
     items = ItemText(ds.items)
+    lists = {split: rerank_examples(load_lists(a.root, split)) for split in a.splits.split(",")}
+    # The incoming order, scored as evaluate scores its prerank row: the reference of the paired differences.
+    prerank = {s: scored(fixed_rankings(df["candidates"].to_list(), df["candidates"].to_list()), df["target"].to_list()) for s, df in lists.items()}
     for ckpt in a.checkpoints:
         model, tok = load_hf_checkpoint(a.root / ckpt)
         model.eval()
-        for split in a.splits.split(","):
-            lists = rerank_examples(load_lists(a.root, split))
+        results: dict[str, dict[str, dict]] = {"prerank": {s: m for s, (m, _) in prerank.items()}, ckpt: {}}
+        ranks: dict[str, dict[str, np.ndarray]] = {"prerank": {s: r for s, (_, r) in prerank.items()}, ckpt: {}}
+        seconds = {}
+        for split, df in lists.items():
             t0 = time.perf_counter()
-            result = lm_rerank(model, tok, lists, items, fmt, batch_size=a.batch_size, max_new_tokens=a.max_new_tokens)
-            targets = lists["target"].to_list()
-            out: dict[str, object] = {"checkpoint": ckpt, "split": split, **rerank_metrics(result.parsed, targets)}
-            ranks, incoming = target_ranks(result.parsed, targets), lists["target_rank"].to_numpy()
-            for metric in ("recall@1", "ndcg@3"):
-                mine, base = per_example_gain(ranks, metric), per_example_gain(incoming, metric)
-                out[f"{metric}_vs_prerank"] = {"diff": float(mine.mean() - base.mean()), "ci95": bootstrap_ci(mine, baseline=base)}
-            out["seconds"] = round(time.perf_counter() - t0, 1)
-            print(json.dumps(out), flush=True)
+            result = lm_rerank(model, tok, df, items, fmt, batch_size=a.batch_size, max_new_tokens=a.max_new_tokens)
+            results[ckpt][split], ranks[ckpt][split] = scored(result.parsed, df["target"].to_list())
+            seconds[split] = round(time.perf_counter() - t0, 1)
+        add_intervals(results, ranks, n_boot=2000, seed=0)  # evaluate's intervals: paired differences to prerank
+        for split in lists:
+            print(json.dumps({"checkpoint": ckpt, "split": split, **results[ckpt][split], "seconds": seconds[split]}), flush=True)
 
 
 if __name__ == "__main__":

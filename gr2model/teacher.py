@@ -48,7 +48,7 @@ import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
-from typing import Literal, Protocol
+from typing import Literal, Protocol, get_args
 
 import numpy as np
 import polars as pl
@@ -498,7 +498,8 @@ class Teacher(Protocol):
         ...
 
 
-TRACE_MODES: tuple[str, ...] = ("rejection", "targeted", "distill")
+TraceMode = Literal["rejection", "targeted", "distill"]
+TRACE_MODES: tuple[str, ...] = get_args(TraceMode)
 
 
 @dataclass(frozen=True)
@@ -528,7 +529,7 @@ class TeacherConfig:
         where the teacher has nothing better to say.
     """
 
-    mode: Literal["rejection", "targeted", "distill"] = "rejection"
+    mode: TraceMode = "rejection"
     samples: int = 8
     temperature: float = 1.0
     target_tokens: int = 130

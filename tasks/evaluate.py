@@ -95,11 +95,18 @@ class EvaluateConfig(StageConfig):
 CONFIG = EvaluateConfig
 
 
-def load_teacher(root: Path, items_table: pl.DataFrame, train_seqs: list[list[int]], num_items: int) -> ExpertTeacher | LTRTeacher:
-    """The teacher `traces` wrote (data/traces/teacher.json, and teacher_ltr.txt for the LTR teacher)."""
+def load_teacher(
+    root: Path, items_table: pl.DataFrame, train_seqs: list[list[int]], num_items: int, folds: Sequence[int] | None = None
+) -> ExpertTeacher | LTRTeacher:
+    """The teacher `traces` wrote (data/traces/teacher.json, and teacher_ltr.txt for the LTR teacher).
+
+    folds: each training user's cross-fitting fold (`tasks.traces.user_folds_from_lists`),
+        for scoring training lists as `traces` did (co-purchase counts without the
+        list's own fold); None for validation and test lists.
+    """
     path = root / TRACES / "teacher.json"
     info = json.loads(path.read_text())
-    expert = ExpertTeacher(items_table, train_seqs, num_items)
+    expert = ExpertTeacher(items_table, train_seqs, num_items, folds=folds)
     expert.set_weights(info["weights"], info["evidence_weights"])
     if info.get("teacher", "linear") == "linear":
         return expert

@@ -32,7 +32,7 @@ from gr2model.candidates import rerank_metrics, write_parquet_atomic
 from gr2model.data import load_prepared
 from gr2model.ltr_teacher import LTR_FEATURE_NAMES, LTRConfig, LTRTeacher, evidence_values
 from gr2model.rerank_format import MAX_EVIDENCE, FormatConfig, ItemText, evidence_levels, fit_evidence_bins
-from gr2model.teacher import ExpertTeacher, TeacherConfig, generate_traces, teacher_accuracy
+from gr2model.teacher import ExpertTeacher, TeacherConfig, TraceMode, generate_traces, teacher_accuracy
 from tasks.common import Cap, Count, Positive, Seed, StageConfig, atomic_dir, stage_main, timed
 from tasks.tracking import StageTracker
 
@@ -50,7 +50,7 @@ class TracesConfig(StageConfig):
     # conditional logit on its 10 features. Both explain with the expert's evidence.
     teacher: Literal["ltr", "linear"] = "ltr"
     ltr: LTRConfig = LTRConfig()
-    mode: Literal["rejection", "targeted", "distill"] = "rejection"
+    mode: TraceMode = "rejection"
     samples: Count = 8
     temperature: Positive = 1.0
     target_tokens: Count = 130
