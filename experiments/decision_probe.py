@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import sys
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -110,6 +111,8 @@ def main() -> None:
     p.add_argument("--init", type=Path, default=None, help="start from this checkpoint (e.g. checkpoints/gr2-base) instead of a fresh student")
     p.add_argument("--responses", choices=["answer", "traces"], default="answer",
                    help="answer: answer-only responses with the --labels first item; traces: the traces as written (their own ranking and explanation)")
+    p.add_argument("--extra-lists", type=int, default=0,
+                   help="also train on N random training lists whose target is not among the candidates, labelled with the teacher's choice (answer only; needs --labels distill)")
     p.add_argument("--answer-weight", type=float, default=None, help="loss weight of the answer tokens (default: 1 for answer-only, sft's 2 for traces)")
     a = p.parse_args()
     root = a.root
@@ -133,6 +136,15 @@ def main() -> None:
         firsts = teacher_firsts(root, ds, split, lists) if a.labels == "distill" else lists["target_rank"].to_numpy() + 1
         rows = zip(lists["prompt"].to_list(), firsts, lists["candidates"].to_list())
         pairs = [(prompt, answer(int(f), cands, items, fmt)) for prompt, f, cands in rows]
+    if a.extra_lists:
+        if a.labels != "distill":
+            raise SystemExit("--extra-lists has no target to label with; use --labels distill")
+        extra = load_lists(root, "train").filter(pl.col("target_rank") < 0)
+        extra = extra.sample(min(a.extra_lists, extra.height), seed=a.seed)
+        firsts = teacher_firsts(root, ds, split, extra)
+        print(f"extra lists: {extra.height}, teacher keeps the incoming first on {(firsts == 1).mean():.4f}", file=sys.stderr)
+        rows = zip(prompts_of(extra, items, fmt), firsts, extra["candidates"].to_list())
+        pairs += [(prompt, answer(int(f), cands, items, fmt)) for prompt, f, cands in rows]
     random.Random(a.seed).shuffle(pairs)
     if a.max_examples:
         pairs = pairs[: a.max_examples]

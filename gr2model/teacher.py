@@ -998,8 +998,11 @@ def generate_traces(
     items: ItemText,
     fmt: FormatConfig,
     cfg: TeacherConfig,
+    unlabelled: bool = False,
 ) -> tuple[pl.DataFrame, dict[str, float]]:
-    """Write the teacher's traces for the re-ranking examples (target_rank >= 0) of `lists`.
+    """Write the teacher's traces for the re-ranking examples (target_rank >= 0) of `lists`,
+    or for every list of `lists` when `unlabelled` (distill only: the teacher's choice
+    needs no target, so lists without it among the candidates are more examples of it).
 
     targeted: the teacher's ranking (argsort of its scores) with the target moved
     to the top. distill: the teacher's ranking as it is (the target unused).
@@ -1018,7 +1021,9 @@ def generate_traces(
         mean_samples_tried, explanation_tokens_mean/median and
         response_tokens_mean/median (whitespace tokens, over kept traces), seconds.
     """
-    ex = lists.filter(pl.col("target_rank") >= 0)
+    if unlabelled and cfg.mode != "distill":
+        raise ValueError(f"unlabelled lists can only be traced in mode 'distill', not {cfg.mode!r}: the other modes need the target")
+    ex = lists if unlabelled else lists.filter(pl.col("target_rank") >= 0)
     t0 = time.perf_counter()
     records: list[TraceRecord] = []
     expl_lens: list[int] = []
@@ -1059,6 +1064,7 @@ def generate_traces(
     n = len(records)
     stats: dict[str, float] = {
         "n_examples": n,
+        "n_unlabelled": int((ex["target_rank"] < 0).sum()),
         "n_traces": len(expl_lens),
         "kept_rate": len(expl_lens) / n if n else 0.0,
         "mean_samples_tried": float(np.mean([r.samples_tried for r in records])) if n else 0.0,

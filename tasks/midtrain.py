@@ -97,7 +97,10 @@ def run(cfg: MidtrainConfig, root: Path, log: logging.Logger, tracker: StageTrac
     ds, split = load_prepared(root / PREPARED)
     explanations: list[str] = []
     if cfg.tasks.trace:
-        traces = pl.read_parquet(root / TRACES / "train.parquet", columns=["response", "kept"]).filter(pl.col("kept"))
+        # The re-ranking examples' explanations only: traces.unlabelled_lists would add up to
+        # 111k more on Beauty, several times mid-training's cost for text of the same kind.
+        traces = pl.read_parquet(root / TRACES / "train.parquet", columns=["response", "kept", "ranking", "target"])
+        traces = traces.filter(pl.col("kept") & pl.col("ranking").list.contains(pl.col("target")))
         explanations = [e for e in map(explanation_of, traces["response"].to_list()) if e]
 
     with timed(log, "building the mid-training examples", timings, "build_s"):

@@ -26,8 +26,9 @@ from typing import Any, Literal
 
 import numpy as np
 import polars as pl
-from pydantic import field_validator
+from pydantic import Field, field_validator, model_validator
 
+from gr2model.bounds import FieldRangeError
 from gr2model.candidates import rerank_metrics, write_parquet_atomic
 from gr2model.data import load_prepared
 from gr2model.ltr_teacher import LTR_FEATURE_NAMES, LTRConfig, LTRTeacher, evidence_values
@@ -63,6 +64,10 @@ class TracesConfig(StageConfig):
     answer: Literal["sid", "index"] = "sid"  # recommendations as semantic ids or as incoming positions
     answer_first: bool = False  # the response writes the recommendations before the explanation
     max_examples: Cap = 0  # 0 = every training re-ranking example; >0 keeps the first N (smoke runs)
+    # distill only: also trace this many training lists whose target is not among the
+    # candidates (-1: all of them, 0: none), drawn with `seed`. The teacher's choice needs
+    # no target, so they are more examples of the function the student imitates.
+    unlabelled_lists: int = Field(0, ge=-1)
     # Also fit the LTR ranker on the prompt-visible features only (ltr_teacher.PROMPT_FEATURE_NAMES)
     # and report its accuracy: the ceiling of a student that reads only the prompt.
     prompt_ceiling: bool = True
@@ -79,6 +84,12 @@ class TracesConfig(StageConfig):
         if len(names) > MAX_EVIDENCE or len(set(names)) != len(names):
             raise ValueError(f"at most {MAX_EVIDENCE} distinct features, got {names}")
         return names
+
+    @model_validator(mode="after")
+    def _unlabelled_need_distill(self) -> TracesConfig:
+        if self.unlabelled_lists and self.mode != "distill":
+            raise FieldRangeError("unlabelled_lists", f"{self.unlabelled_lists} needs mode 'distill' (mode is {self.mode!r}): only the teacher's own choice needs no target")
+        return self
 
 
 CONFIG = TracesConfig
@@ -169,9 +180,11 @@ def run(cfg: TracesConfig, root: Path, log: logging.Logger, tracker: StageTracke
     examples = train.filter(pl.col("target_rank") >= 0)
     if cfg.max_examples:
         examples = examples.head(cfg.max_examples)
+    if cfg.unlabelled_lists:
+        examples = pl.concat([examples, unlabelled_sample(train, cfg.unlabelled_lists, cfg.seed)])
     tcfg = TeacherConfig(mode=cfg.mode, samples=cfg.samples, temperature=cfg.temperature, target_tokens=cfg.target_tokens, seed=cfg.seed, rest_order=cfg.rest_order)
-    with timed(log, f"{cfg.mode} traces for {examples.height} training re-ranking examples", timings, "generate_s"):
-        traces, stats = generate_traces(teacher, examples, items, fmt, tcfg)
+    with timed(log, f"{cfg.mode} traces for {examples.height} training lists", timings, "generate_s"):
+        traces, stats = generate_traces(teacher, examples, items, fmt, tcfg, unlabelled=cfg.unlabelled_lists != 0)
 
     with atomic_dir(root / OUT_DIR) as out:
         write_parquet_atomic(traces, out / "train.parquet")
@@ -201,6 +214,14 @@ def run(cfg: TracesConfig, root: Path, log: logging.Logger, tracker: StageTracke
         **timings,
         "seconds": round(time.perf_counter() - start, 2),
     }
+
+
+def unlabelled_sample(train: pl.DataFrame, n: int, seed: int) -> pl.DataFrame:
+    """n training lists whose target is not among the candidates (all of them for n = -1),
+    drawn with `seed` and kept in (user_id, position) order."""
+    pool = train.filter(pl.col("target_rank") < 0)
+    take = pool.height if n < 0 else min(n, pool.height)
+    return pool.sample(take, seed=seed).sort("user_id", "position")
 
 
 def load_format(root: Path) -> FormatConfig:

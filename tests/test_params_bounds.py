@@ -89,7 +89,7 @@ BOUNDS: dict[str, dict[str, B]] = {
     },
     "traces": {
         "samples": COUNT, "temperature": POS, "target_tokens": COUNT, "seed": SEED, "history_len": CAP,
-        "max_attributes": CAP, "max_examples": CAP,
+        "max_attributes": CAP, "max_examples": CAP, "unlabelled_lists": I(ge=-1),
     },
     "traces.ltr": {
         "num_leaves": I(ge=2, le=1024), "learning_rate": F(gt=0, le=1), "n_estimators": I(ge=1, le=2000),
@@ -313,6 +313,10 @@ def test_cross_field_rules_name_the_field() -> None:
     zero["train"]["reasoning_weight"] = 0.0
     with pytest.raises(ParamsError, match=r"params\.yaml: sft\.train\.answer_weight: "):
         load_section("sft", zero)
+    rejection = with_value("traces", "traces.unlabelled_lists", 100)
+    rejection["mode"] = "rejection"
+    with pytest.raises(ParamsError, match=r"params\.yaml: traces\.unlabelled_lists: .*100 needs mode 'distill'"):
+        load_section("traces", rejection)
     # A pretrained model's size comes from its folder: the from-scratch sizes are not checked then.
     pretrained = with_value("midtrain", "midtrain.model.num_heads", 3)
     pretrained["model"]["pretrained_path"] = "some/folder"

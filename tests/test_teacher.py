@@ -251,6 +251,33 @@ def test_distill_traces_follow_the_teacher_not_the_target(world, traces) -> None
     assert 0.0 < first_is_target < 1.0
 
 
+def test_distill_traces_unlabelled_lists_get_the_teachers_ranking(world, traces) -> None:
+    """A list whose target is not among the candidates is still an example of the
+    teacher's choice: distill traces it like a re-ranking example (same ranking, same
+    explanation); the modes that need the target refuse it."""
+    lists = world["train"].head(40)
+
+    def outside(hist: list[int], cands: list[int]) -> int:  # a next item the pre-ranker missed
+        return next(i for i in range(1, N_ITEMS + 1) if i not in cands and i not in hist)
+
+    missed = lists.tail(20).with_columns(
+        pl.Series("target", [outside(h, c) for h, c in zip(lists.tail(20)["history"], lists.tail(20)["candidates"])]),
+        pl.lit(-1, dtype=pl.Int64).alias("target_rank"),
+    )
+    mixed = pl.concat([lists.head(20), missed])
+    out, stats = generate_traces(world["teacher"], mixed, world["text"], FormatConfig(), TeacherConfig(mode="distill"), unlabelled=True)
+    expected = traces["distill"][0].head(40)
+    assert out.height == 40 and stats["n_unlabelled"] == 20 and out["kept"].all()
+    assert out["ranking"].to_list() == expected["ranking"].to_list()
+    assert out["response"].to_list() == expected["response"].to_list()
+    assert out["target"].to_list() == mixed["target"].to_list()
+    # Without the flag only the re-ranking examples are traced, as before.
+    only, stats = generate_traces(world["teacher"], mixed, world["text"], FormatConfig(), TeacherConfig(mode="distill"))
+    assert only.height == 20 and stats["n_unlabelled"] == 0
+    with pytest.raises(ValueError, match="distill"):
+        generate_traces(world["teacher"], mixed, world["text"], FormatConfig(), TeacherConfig(mode="rejection"), unlabelled=True)
+
+
 def test_rejection_keeps_only_target_first(world, traces) -> None:
     traces, stats = traces["rejection"]  # samples 8, temperature 1
     kept = traces.filter("kept")
