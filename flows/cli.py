@@ -45,6 +45,7 @@ def _where_to_look(root: Path) -> str:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from flows.pipeline import pipeline
+    from flows.prefect_api import temporary_api
     from tasks.common import ParamsError
     from tasks.tracking import configure
 
@@ -54,7 +55,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         return 2
     configure(root)
     try:
-        summaries = pipeline(root=str(root), stages=args.stage or None, force=args.force)
+        with temporary_api(root):
+            summaries = pipeline(root=str(root), stages=args.stage or None, force=args.force)
     except (RuntimeError, ValueError, ParamsError) as exc:
         print(f"\npipeline failed: {exc}", file=sys.stderr)
         return 1
@@ -98,6 +100,7 @@ def cmd_data_download(args: argparse.Namespace) -> int:
 
 def cmd_promote(args: argparse.Namespace) -> int:
     """Exit 0: promoted (or already champion); 1: refused by a gate; 2: nothing to judge; 3: lost a race."""
+    from flows.prefect_api import temporary_api
     from flows.promote import Decision, PromotionBusy, PromotionConflict, PromotionError, promote, promote_flow
     from tasks.tracking import configure
 
@@ -107,7 +110,8 @@ def cmd_promote(args: argparse.Namespace) -> int:
         if args.no_flow:
             decision = promote(args.model, args.version, root).to_dict()
         else:
-            decision = promote_flow(args.model, args.version, str(root))
+            with temporary_api(root):
+                decision = promote_flow(args.model, args.version, str(root))
     except (PromotionConflict, PromotionBusy) as exc:
         print(f"promotion not committed: {exc}", file=sys.stderr)
         return 3
@@ -174,12 +178,14 @@ def cmd_schedule_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_schedule_run(args: argparse.Namespace) -> int:
+    from flows.prefect_api import temporary_api
     from flows.schedule import retrain
     from tasks.tracking import configure
 
     root = Path(args.root).resolve()
     configure(root)
-    result = retrain(root=str(root))
+    with temporary_api(root):
+        result = retrain(root=str(root))
     snap = result["snapshot"]
     if snap.get("md5"):
         print(f"data snapshot {snap['path']}: {snap['md5']} ({'new content' if snap['changed'] else 'unchanged'})")
