@@ -10,6 +10,7 @@
     gr2 schedule run                  one retraining now (refresh data, rerun what changed, push, promote)
     gr2 data snapshot                 version a new snapshot of schedule.source as prepare.data_dir (DVC)
     gr2 reproduce MODEL@ALIAS         rebuild a registered version from its commit and data hash, compare
+    gr2 serve MODEL@ALIAS             MLflow's scoring server for a version, with its request-body cap (413)
 """
 
 from __future__ import annotations
@@ -220,6 +221,30 @@ def cmd_data_snapshot(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    """Replace this process by uvicorn running flows.serving_app: `gr2 serve`'s pid is the server's."""
+    import mlflow
+
+    from flows.serving_app import MODEL_PATH_ENV
+    from tasks.tracking import configure
+
+    configure(Path(args.root).resolve())
+    if Path(args.model, "MLmodel").exists():  # a model folder on disk
+        uri = str(Path(args.model).resolve())
+    else:
+        uri = args.model if "://" in args.model or args.model.startswith("models:/") else f"models:/{args.model}"
+    try:
+        local = uri if Path(uri).is_dir() else mlflow.artifacts.download_artifacts(artifact_uri=uri)
+    except mlflow.exceptions.MlflowException as exc:
+        print(f"serve: {uri}: {exc.message}", file=sys.stderr)
+        return 2
+    env = {**os.environ, MODEL_PATH_ENV: local}
+    argv = [sys.executable, "-m", "uvicorn", "--factory", "flows.serving_app:create_app", "--host", args.host, "--port", str(args.port)]
+    print(f"serving {uri} at http://{args.host}:{args.port}/invocations (pid {os.getpid()})", flush=True)
+    os.execve(sys.executable, argv, env)
+    return 0  # not reached
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gr2", description="Diffusion-GR2 pipeline: train, measure, register and promote re-rankers.")
     parser.add_argument("--root", default=".", help="project folder holding dvc.yaml (default: current folder)")
@@ -276,6 +301,12 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--keep", action="store_true", help="keep the temporary worktree with the rebuilt outputs")
     rep.add_argument("--no-record", action="store_true", help="do not write the verdict as tags on the version")
     rep.set_defaults(fn=cmd_reproduce)
+
+    srv = sub.add_parser("serve", help="serve a registered version over HTTP (MLflow's scoring protocol) with its request caps")
+    srv.add_argument("model", help="MODEL@ALIAS (e.g. gr2@champion), MODEL/VERSION, models:/..., or a model folder")
+    srv.add_argument("--host", default="127.0.0.1", help="address to listen on (default loopback only)")
+    srv.add_argument("--port", type=int, default=5000)
+    srv.set_defaults(fn=cmd_serve)
 
     data = sub.add_parser("data", help="data helpers")
     data_sub = data.add_subparsers(dest="data_command", required=True)
