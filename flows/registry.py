@@ -10,6 +10,7 @@ shared/notes/STACK.md), tagged with its stage and lineage, and given the alias
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Container, Mapping
 from dataclasses import dataclass
 from importlib.metadata import version
@@ -138,7 +139,10 @@ def _as_records(model_input: Any) -> list[dict[str, Any]]:
         if len(set(lengths.values())) != 1 or -1 in lengths.values():
             raise _bad_request([f"columns must be lists of the same length (one entry per row), got lengths {lengths}"])
         n = next(iter(lengths.values()), 0)
-        rows = [{c: model_input[c][i] for c in columns} for i in range(n)]
+        try:
+            rows = [{c: model_input[c][i] for c in columns} for i in range(n)]
+        except (KeyError, IndexError, TypeError):  # e.g. {"history": {"a": 1}}: a mapping, not a column
+            raise _bad_request([f"columns must be lists (one entry per row), got {', '.join(f'{c}: {type(model_input[c]).__name__}' for c in columns)}"]) from None
     elif isinstance(model_input, (dict, list)) and all(isinstance(r, dict) for r in model_input):  # {} or [] too
         rows = list(model_input) if isinstance(model_input, list) else []
         columns = sorted({c for r in rows for c in r})
@@ -202,7 +206,7 @@ def validate_rerank_evidence(model_input: Any, candidate_lists: list[list[int]],
         want = f"{len(cands)} lists (one per candidate) of {n_features} integer levels in 0..{EVIDENCE_LEVELS - 1}"
         try:
             arr = np.asarray([list(e) for e in ev], dtype=object) if ev is not None and not isinstance(ev, (str, bytes, dict)) else None
-        except TypeError:
+        except (TypeError, ValueError):  # not iterable; or ragged in a way numpy refuses
             arr = None
         ok = arr is not None and arr.shape == (len(cands), n_features) and all(
             isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_)) and 0 <= x < EVIDENCE_LEVELS for x in arr.flat
@@ -257,7 +261,8 @@ def validate_rerank_input(
                 problems.append(f"row {i}: candidates: {len(candidates)} items; the model ranks exactly {num_candidates}")
             elif len(candidates) < 2:
                 problems.append(f"row {i}: candidates: {len(candidates)} items; at least 2 are needed to rank")
-            if dup := sorted({x for x in candidates if candidates.count(x) > 1}):
+            # Counter, not list.count: a request with a huge candidate list must not cost O(K^2).
+            if dup := sorted(x for x, n in Counter(candidates).items() if n > 1):
                 problems.append(f"row {i}: candidates: duplicated item ids {dup}")
             if unknown := sorted({x for x in candidates if x not in known_items}):
                 problems.append(f"row {i}: candidates: unknown item ids {unknown[:10]} (not in the model's items)")
