@@ -6,6 +6,7 @@
     gr2 data download                 fetch the public raw Amazon review files
     gr2 promote MODEL [--version N]   move `champion` to a version through the gates in params.yaml
     gr2 bench decode                  AR GR2 vs the diffusion re-rankers: decode speed -> metrics/speed.json
+    gr2 bench serve [MODEL@ALIAS]     bounded load test of the served champion on loopback (latency, no 5xx)
     gr2 schedule serve                scheduled retraining: a local Prefect server + the gr2-retrain deployment
     gr2 schedule run                  one retraining now (refresh data, rerun what changed, push, promote)
     gr2 data snapshot                 version a new snapshot of schedule.source as prepare.data_dir (DVC)
@@ -145,6 +146,52 @@ def cmd_bench_decode(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    """Exit 0: the load test passed; 1: it found failures; 2: nothing to serve."""
+    import mlflow
+    from mlflow import MlflowClient
+
+    from flows.bench_serve import bench_serve, report_dict
+    from tasks.common import write_json_atomic
+    from tasks.traces import load_lists
+    from tasks.tracking import configure
+
+    root = Path(args.root).resolve()
+    configure(root)
+    model = args.model
+    if model is None:  # the champion re-ranker: diffusion first, as the pipeline's end product
+        client = MlflowClient()
+        for name in ("diffusion-gr2", "gr2"):
+            try:
+                client.get_model_version_by_alias(name, "champion")
+            except mlflow.exceptions.MlflowException:
+                continue
+            model = f"{name}@champion"
+            break
+        else:
+            print("bench serve: no diffusion-gr2@champion or gr2@champion; pass MODEL@ALIAS or promote one (`gr2 promote`)", file=sys.stderr)
+            return 2
+    uri = model if model.startswith("models:/") else f"models:/{model}"
+    try:
+        local = Path(mlflow.artifacts.download_artifacts(artifact_uri=uri))
+        lists = load_lists(root, "test").head(args.rows)
+    except (mlflow.exceptions.MlflowException, OSError) as exc:
+        print(f"bench serve: {exc}", file=sys.stderr)
+        return 2
+    keys = ["history", "candidates"] + (["evidence"] if "evidence" in lists.columns else [])
+    rows = lists.select(keys).to_dicts()
+    print(f"load test of {uri}: {args.requests} requests, {args.concurrency} at a time, {args.bad_share:.0%} malformed or oversized", flush=True)
+    report = bench_serve(
+        local, rows, requests=args.requests, concurrency=args.concurrency, bad_share=args.bad_share,
+        max_new_tokens=args.max_new_tokens, seed=args.seed, log_path=root / ".gr2" / "bench-serve.log",
+    )  # fmt: skip
+    print(report.text())
+    if args.out:
+        write_json_atomic({"model": uri, **report_dict(report)}, Path(args.out))
+        print(f"written: {args.out}")
+    return 0 if report.passed else 1
+
+
 def cmd_reproduce(args: argparse.Namespace) -> int:
     """Exit 0: reproduced; 1: not reproduced or not reproducible; 2: nothing to reproduce."""
     from flows.reproduce import ReproduceError, reproduce
@@ -279,6 +326,16 @@ def build_parser() -> argparse.ArgumentParser:
     bd.add_argument("--batch-size", type=int, action="append", help="batch size (repeatable; default: params)")
     bd.add_argument("--examples", type=int, default=None, help="first N test re-ranking examples (default: params)")
     bd.set_defaults(fn=cmd_bench_decode)
+    bs = bench_sub.add_parser("serve", help="load-test a served re-ranker on loopback: no 5xx, valid rankings, latency percentiles")
+    bs.add_argument("model", nargs="?", default=None, help="MODEL@ALIAS (default: diffusion-gr2@champion, else gr2@champion)")
+    bs.add_argument("--requests", type=int, default=400, help="requests in all (default 400)")
+    bs.add_argument("--concurrency", type=int, default=8, help="requests in flight at once (default 8)")
+    bs.add_argument("--bad-share", type=float, default=0.2, help="share of malformed or oversized requests (default 0.2)")
+    bs.add_argument("--max-new-tokens", type=int, default=16, help="max_new_tokens of the good requests (default 16)")
+    bs.add_argument("--rows", type=int, default=64, help="good requests cycle over the first N test lists (default 64)")
+    bs.add_argument("--seed", type=int, default=0, help="order of the mix")
+    bs.add_argument("--out", default=None, help="also write the report as JSON here")
+    bs.set_defaults(fn=cmd_bench_serve)
 
     sched = sub.add_parser("schedule", help="scheduled retraining (Prefect deployment gr2-retrain; params schedule:)")
     sched_sub = sched.add_subparsers(dest="schedule_command", required=True)

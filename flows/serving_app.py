@@ -24,6 +24,7 @@ Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 MODEL_PATH_ENV = "GR2_SERVE_MODEL_PATH"
+DRAIN_LIMIT = 64 * 2**20
 
 
 async def _answer(send: Send, status: int, message: str) -> None:
@@ -46,6 +47,20 @@ class BodySizeLimit:
         self.app = app
         self.max_bytes = max_bytes
 
+    async def _drain(self, receive: Receive, size: int) -> None:
+        """Read and drop the rest of a refused body, up to DRAIN_LIMIT bytes in all.
+
+        A client such as urllib or requests sends the whole body before it reads
+        the answer; closing the connection under it would turn the 413 into a
+        connection reset. Nothing is kept, so draining costs no memory; past the
+        limit the connection is dropped instead.
+        """
+        while size <= DRAIN_LIMIT:
+            message = await receive()
+            size += len(message.get("body", b""))
+            if message["type"] != "http.request" or not message.get("more_body", False):
+                return
+
     def _too_large(self, size: str) -> str:
         return f"request body of {size} bytes; at most {self.max_bytes} (serve.max_body_bytes)"
 
@@ -59,6 +74,7 @@ class BodySizeLimit:
                 await _answer(send, 400, f"Content-Length {declared[:40].decode(errors='replace')!r} is not a byte count")
                 return
             if int(declared) > self.max_bytes:
+                await self._drain(receive, 0)
                 await _answer(send, 413, self._too_large(str(int(declared))))
                 return
         chunks: list[bytes] = []
@@ -70,6 +86,9 @@ class BodySizeLimit:
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > self.max_bytes:
+                chunks.clear()
+                if message.get("more_body", False):
+                    await self._drain(receive, size)
                 await _answer(send, 413, self._too_large(f"more than {self.max_bytes}"))
                 return
             chunks.append(chunk)

@@ -201,6 +201,8 @@ def test_gr2_serve_caps_the_body_over_http(tmp_path: Path) -> None:
                 time.sleep(0.3)
         assert post(json.dumps({"dataframe_records": [{"history": [1, 2]}]}).encode()) == 200
         assert post(json.dumps({"dataframe_records": [{"history": list(range(2000))}]}).encode()) == 413
+        # Far over the cap: the client (sending all before reading) still gets its 413, not a reset.
+        assert post(b"[" * 6_000_000) == 413
         assert proc.poll() is None
     finally:
         os.kill(proc.pid, signal.SIGTERM)  # `gr2 serve` execs uvicorn: its pid is the server's
