@@ -221,6 +221,8 @@ def bench_serve(
     limits = ServeLimits.from_model_config(config)
     port = free_port()
     gr2 = Path(sys.executable).parent / "gr2"
+    if log_path:
+        log_path.parent.mkdir(parents=True, exist_ok=True)
     out = open(log_path, "w") if log_path else subprocess.DEVNULL  # noqa: SIM115 - closed below
     proc = subprocess.Popen(
         [str(gr2), "serve", str(model_dir), "--port", str(port)], stdout=out, stderr=subprocess.STDOUT, start_new_session=True
