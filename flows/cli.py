@@ -6,10 +6,12 @@
     gr2 data download                 fetch the public raw Amazon review files
     gr2 promote MODEL [--version N]   move `champion` to a version through the gates in params.yaml
     gr2 bench decode                  AR GR2 vs the diffusion re-rankers: decode speed -> metrics/speed.json
+    gr2 bench serve [MODEL@ALIAS]     bounded load test of the served champion on loopback (latency, no 5xx)
     gr2 schedule serve                scheduled retraining: a local Prefect server + the gr2-retrain deployment
     gr2 schedule run                  one retraining now (refresh data, rerun what changed, push, promote)
     gr2 data snapshot                 version a new snapshot of schedule.source as prepare.data_dir (DVC)
     gr2 reproduce MODEL@ALIAS         rebuild a registered version from its commit and data hash, compare
+    gr2 serve MODEL@ALIAS             MLflow's scoring server for a version, with its request-body cap (413)
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ def _where_to_look(root: Path) -> str:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from flows.pipeline import pipeline
+    from flows.prefect_api import temporary_api
     from tasks.common import ParamsError
     from tasks.tracking import configure
 
@@ -54,7 +57,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         return 2
     configure(root)
     try:
-        summaries = pipeline(root=str(root), stages=args.stage or None, force=args.force)
+        with temporary_api(root):
+            summaries = pipeline(root=str(root), stages=args.stage or None, force=args.force)
     except (RuntimeError, ValueError, ParamsError) as exc:
         print(f"\npipeline failed: {exc}", file=sys.stderr)
         return 1
@@ -98,6 +102,7 @@ def cmd_data_download(args: argparse.Namespace) -> int:
 
 def cmd_promote(args: argparse.Namespace) -> int:
     """Exit 0: promoted (or already champion); 1: refused by a gate; 2: nothing to judge; 3: lost a race."""
+    from flows.prefect_api import temporary_api
     from flows.promote import Decision, PromotionBusy, PromotionConflict, PromotionError, promote, promote_flow
     from tasks.tracking import configure
 
@@ -107,7 +112,8 @@ def cmd_promote(args: argparse.Namespace) -> int:
         if args.no_flow:
             decision = promote(args.model, args.version, root).to_dict()
         else:
-            decision = promote_flow(args.model, args.version, str(root))
+            with temporary_api(root):
+                decision = promote_flow(args.model, args.version, str(root))
     except (PromotionConflict, PromotionBusy) as exc:
         print(f"promotion not committed: {exc}", file=sys.stderr)
         return 3
@@ -138,6 +144,52 @@ def cmd_bench_decode(args: argparse.Namespace) -> int:
     print(speed_table(rows))
     print(f"\nwritten: {root / SPEED}")
     return 0
+
+
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    """Exit 0: the load test passed; 1: it found failures; 2: nothing to serve."""
+    import mlflow
+    from mlflow import MlflowClient
+
+    from flows.bench_serve import bench_serve, report_dict
+    from tasks.common import write_json_atomic
+    from tasks.traces import load_lists
+    from tasks.tracking import configure
+
+    root = Path(args.root).resolve()
+    configure(root)
+    model = args.model
+    if model is None:  # the champion re-ranker: diffusion first, as the pipeline's end product
+        client = MlflowClient()
+        for name in ("diffusion-gr2", "gr2"):
+            try:
+                client.get_model_version_by_alias(name, "champion")
+            except mlflow.exceptions.MlflowException:
+                continue
+            model = f"{name}@champion"
+            break
+        else:
+            print("bench serve: no diffusion-gr2@champion or gr2@champion; pass MODEL@ALIAS or promote one (`gr2 promote`)", file=sys.stderr)
+            return 2
+    uri = model if model.startswith("models:/") else f"models:/{model}"
+    try:
+        local = Path(mlflow.artifacts.download_artifacts(artifact_uri=uri))
+        lists = load_lists(root, "test").head(args.rows)
+    except (mlflow.exceptions.MlflowException, OSError) as exc:
+        print(f"bench serve: {exc}", file=sys.stderr)
+        return 2
+    keys = ["history", "candidates"] + (["evidence"] if "evidence" in lists.columns else [])
+    rows = lists.select(keys).to_dicts()
+    print(f"load test of {uri}: {args.requests} requests, {args.concurrency} at a time, {args.bad_share:.0%} malformed or oversized", flush=True)
+    report = bench_serve(
+        local, rows, requests=args.requests, concurrency=args.concurrency, bad_share=args.bad_share,
+        max_new_tokens=args.max_new_tokens, seed=args.seed, log_path=root / ".gr2" / "bench-serve.log",
+    )  # fmt: skip
+    print(report.text())
+    if args.out:
+        write_json_atomic({"model": uri, **report_dict(report)}, Path(args.out))
+        print(f"written: {args.out}")
+    return 0 if report.passed else 1
 
 
 def cmd_reproduce(args: argparse.Namespace) -> int:
@@ -174,12 +226,14 @@ def cmd_schedule_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_schedule_run(args: argparse.Namespace) -> int:
+    from flows.prefect_api import temporary_api
     from flows.schedule import retrain
     from tasks.tracking import configure
 
     root = Path(args.root).resolve()
     configure(root)
-    result = retrain(root=str(root))
+    with temporary_api(root):
+        result = retrain(root=str(root))
     snap = result["snapshot"]
     if snap.get("md5"):
         print(f"data snapshot {snap['path']}: {snap['md5']} ({'new content' if snap['changed'] else 'unchanged'})")
@@ -212,6 +266,30 @@ def cmd_data_snapshot(args: argparse.Namespace) -> int:
         + (", pushed" if result["pushed"] else "")
     )
     return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    """Replace this process by uvicorn running flows.serving_app: `gr2 serve`'s pid is the server's."""
+    import mlflow
+
+    from flows.serving_app import MODEL_PATH_ENV
+    from tasks.tracking import configure
+
+    configure(Path(args.root).resolve())
+    if Path(args.model, "MLmodel").exists():  # a model folder on disk
+        uri = str(Path(args.model).resolve())
+    else:
+        uri = args.model if "://" in args.model or args.model.startswith("models:/") else f"models:/{args.model}"
+    try:
+        local = uri if Path(uri).is_dir() else mlflow.artifacts.download_artifacts(artifact_uri=uri)
+    except mlflow.exceptions.MlflowException as exc:
+        print(f"serve: {uri}: {exc.message}", file=sys.stderr)
+        return 2
+    env = {**os.environ, MODEL_PATH_ENV: local}
+    argv = [sys.executable, "-m", "uvicorn", "--factory", "flows.serving_app:create_app", "--host", args.host, "--port", str(args.port)]
+    print(f"serving {uri} at http://{args.host}:{args.port}/invocations (pid {os.getpid()})", flush=True)
+    os.execve(sys.executable, argv, env)
+    return 0  # not reached
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -248,6 +326,16 @@ def build_parser() -> argparse.ArgumentParser:
     bd.add_argument("--batch-size", type=int, action="append", help="batch size (repeatable; default: params)")
     bd.add_argument("--examples", type=int, default=None, help="first N test re-ranking examples (default: params)")
     bd.set_defaults(fn=cmd_bench_decode)
+    bs = bench_sub.add_parser("serve", help="load-test a served re-ranker on loopback: no 5xx, valid rankings, latency percentiles")
+    bs.add_argument("model", nargs="?", default=None, help="MODEL@ALIAS (default: diffusion-gr2@champion, else gr2@champion)")
+    bs.add_argument("--requests", type=int, default=400, help="requests in all (default 400)")
+    bs.add_argument("--concurrency", type=int, default=8, help="requests in flight at once (default 8)")
+    bs.add_argument("--bad-share", type=float, default=0.2, help="share of malformed or oversized requests (default 0.2)")
+    bs.add_argument("--max-new-tokens", type=int, default=16, help="max_new_tokens of the good requests (default 16)")
+    bs.add_argument("--rows", type=int, default=64, help="good requests cycle over the first N test lists (default 64)")
+    bs.add_argument("--seed", type=int, default=0, help="order of the mix")
+    bs.add_argument("--out", default=None, help="also write the report as JSON here")
+    bs.set_defaults(fn=cmd_bench_serve)
 
     sched = sub.add_parser("schedule", help="scheduled retraining (Prefect deployment gr2-retrain; params schedule:)")
     sched_sub = sched.add_subparsers(dest="schedule_command", required=True)
@@ -270,6 +358,12 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--keep", action="store_true", help="keep the temporary worktree with the rebuilt outputs")
     rep.add_argument("--no-record", action="store_true", help="do not write the verdict as tags on the version")
     rep.set_defaults(fn=cmd_reproduce)
+
+    srv = sub.add_parser("serve", help="serve a registered version over HTTP (MLflow's scoring protocol) with its request caps")
+    srv.add_argument("model", help="MODEL@ALIAS (e.g. gr2@champion), MODEL/VERSION, models:/..., or a model folder")
+    srv.add_argument("--host", default="127.0.0.1", help="address to listen on (default loopback only)")
+    srv.add_argument("--port", type=int, default=5000)
+    srv.set_defaults(fn=cmd_serve)
 
     data = sub.add_parser("data", help="data helpers")
     data_sub = data.add_subparsers(dest="data_command", required=True)

@@ -24,7 +24,7 @@ from flows import dvc_stages
 from flows.promote import record_evaluations_task
 from flows.registry import MODEL_STAGES, register_checkpoint
 from flows.reproduce import record_lineage, runtime_tags
-from tasks.tracking import configure, experiment_id, flatten, git_lineage, metric_key
+from tasks.tracking import close_stale_runs, configure, experiment_id, flatten, git_lineage, metric_key, owner_tags
 
 
 def _read_metrics(root: Path, stage: str) -> dict[str, Any]:
@@ -51,6 +51,7 @@ def run_stage(stage: str, root: str, parent_run_id: str, force: bool = False) ->
         "gr2.stage": stage,
         "prefect.flow_run_id": str(flow_run.get_id() or ""),
         **git_lineage(rootp),
+        **owner_tags(rootp),
     }
     run = client.create_run(experiment_id(rootp), run_name=stage, tags=tags)
     run_id = run.info.run_id
@@ -109,6 +110,31 @@ def register_model(stage: str, root: str, summary: dict[str, Any]) -> dict[str, 
     return {"model": spec.model_name, "version": version, "created": created}
 
 
+def _mark_flow_runs_crashed(client: Any, run_ids: list[str], logger: Any) -> None:
+    """Mark the Prefect flow runs behind closed MLflow pipeline runs as Crashed, as Prefect would had it seen the death.
+
+    A flow run lives in the Prefect database of the API it ran against; one that
+    this API does not know (another Prefect home, a test harness) is only logged.
+    """
+    from prefect.client.orchestration import get_client
+    from prefect.states import Crashed
+
+    tags = [client.get_run(r).data.tags for r in run_ids]
+    # Only the pipeline's own run (no gr2.stage tag) stands for the flow run; its stages share the id.
+    ids = {t.get("prefect.flow_run_id") for t in tags if "gr2.stage" not in t} - {None, ""}
+    if not ids:
+        return
+    with get_client(sync_client=True) as prefect:
+        for fid in sorted(ids):
+            try:
+                state = prefect.read_flow_run(fid).state
+                if state is not None and not state.is_final():
+                    prefect.set_flow_run_state(fid, Crashed(message="its process died; found by a later gr2 run"), force=True)
+                    logger.warning("Prefect flow run %s (state %s) marked Crashed", fid, state.name)
+            except Exception as exc:  # not in this Prefect database: nothing to mark
+                logger.info("Prefect flow run %s not marked crashed: %s", fid, exc)
+
+
 def _summary_table(summaries: list[dict[str, Any]]) -> list[dict[str, Any]]:
     rows = []
     for s in summaries:
@@ -144,10 +170,13 @@ def pipeline(root: str = ".", stages: list[str] | None = None, force: bool = Fal
     logger.info("stages in DVC order: %s", " -> ".join(order))
 
     client = MlflowClient()
+    # Runs left RUNNING by an earlier run of this workspace that died say so now.
+    stale = close_stale_runs(rootp, client, logger)
+    _mark_flow_runs_crashed(client, stale, logger)
     parent = client.create_run(
         experiment_id(rootp),
         run_name="pipeline",
-        tags={"prefect.flow_run_id": str(flow_run.get_id() or ""), **git_lineage(rootp)},
+        tags={"prefect.flow_run_id": str(flow_run.get_id() or ""), **git_lineage(rootp), **owner_tags(rootp)},
     )
     parent_id = parent.info.run_id
     summaries: list[dict[str, Any]] = []

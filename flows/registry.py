@@ -10,7 +10,8 @@ shared/notes/STACK.md), tagged with its stage and lineage, and given the alias
 from __future__ import annotations
 
 import logging
-from collections.abc import Container
+from collections import Counter
+from collections.abc import Container, Mapping
 from dataclasses import dataclass
 from importlib.metadata import version
 from pathlib import Path
@@ -20,6 +21,9 @@ import mlflow
 import mlflow.pyfunc
 import pandas as pd
 from mlflow import MlflowClient
+from pydantic import BaseModel
+
+from tasks.common import Count
 
 log = logging.getLogger("flows.registry")
 
@@ -73,7 +77,43 @@ class RetrieverModel(mlflow.pyfunc.PythonModel):
         return pd.DataFrame({"candidates": ids.tolist(), "scores": scores.tolist()})
 
 
-MAX_ROWS_PER_REQUEST = 256
+class ServeLimits(BaseModel):
+    """Caps on one re-ranking request to a served model (params.yaml `serve:`).
+
+    Stored in each registered version's model_config, so a served version keeps
+    the limits it was registered with. A request beyond a cap is answered 400
+    (413 for the body, by the `gr2 serve` front: flows/serving_app.py) before
+    any decoding, so a client cannot make the server run out of memory.
+    """
+
+    model_config = {"extra": "forbid", "frozen": True}
+
+    max_rows: Count = 256
+    """Rows (users) per request; decoding memory and time grow with it."""
+    max_history: Count = 1000
+    """Items in one row's history. Prompts keep only the last `history_len` (format.json);
+    a longer history is refused rather than silently cut, so a client bug shows."""
+    max_new_tokens: Count = 1024
+    """Largest `max_new_tokens` a request may ask for (the default per request stays 320)."""
+    max_body_bytes: Count = 4 * 2**20
+    """Request body size, checked before the body is read or parsed (HTTP 413)."""
+
+    @classmethod
+    def from_model_config(cls, config: Mapping[str, Any] | None) -> ServeLimits:
+        """The limits a version was registered with; defaults for versions registered before limits existed."""
+        return cls(**{k: v for k, v in (config or {}).items() if k in cls.model_fields})
+
+
+def load_serve_limits(root: Path) -> ServeLimits:
+    """The `serve:` section of `<root>/params.yaml` (defaults where it is absent); errors name the field."""
+    from tasks.common import load_stage_config, read_params
+
+    path = root / "params.yaml"
+    if not path.exists() or "serve" not in read_params(path):
+        return ServeLimits()
+    return load_stage_config("serve", ServeLimits, path)
+
+
 _RERANK_COLUMNS = ("history", "candidates")
 # Sent only to a model whose prompt format writes evidence (FormatConfig.evidence).
 _OPTIONAL_COLUMNS = ("evidence",)
@@ -99,7 +139,10 @@ def _as_records(model_input: Any) -> list[dict[str, Any]]:
         if len(set(lengths.values())) != 1 or -1 in lengths.values():
             raise _bad_request([f"columns must be lists of the same length (one entry per row), got lengths {lengths}"])
         n = next(iter(lengths.values()), 0)
-        rows = [{c: model_input[c][i] for c in columns} for i in range(n)]
+        try:
+            rows = [{c: model_input[c][i] for c in columns} for i in range(n)]
+        except (KeyError, IndexError, TypeError):  # e.g. {"history": {"a": 1}}: a mapping, not a column
+            raise _bad_request([f"columns must be lists (one entry per row), got {', '.join(f'{c}: {type(model_input[c]).__name__}' for c in columns)}"]) from None
     elif isinstance(model_input, (dict, list)) and all(isinstance(r, dict) for r in model_input):  # {} or [] too
         rows = list(model_input) if isinstance(model_input, list) else []
         columns = sorted({c for r in rows for c in r})
@@ -163,7 +206,7 @@ def validate_rerank_evidence(model_input: Any, candidate_lists: list[list[int]],
         want = f"{len(cands)} lists (one per candidate) of {n_features} integer levels in 0..{EVIDENCE_LEVELS - 1}"
         try:
             arr = np.asarray([list(e) for e in ev], dtype=object) if ev is not None and not isinstance(ev, (str, bytes, dict)) else None
-        except TypeError:
+        except (TypeError, ValueError):  # not iterable; or ragged in a way numpy refuses
             arr = None
         ok = arr is not None and arr.shape == (len(cands), n_features) and all(
             isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_)) and 0 <= x < EVIDENCE_LEVELS for x in arr.flat
@@ -178,21 +221,25 @@ def validate_rerank_evidence(model_input: Any, candidate_lists: list[list[int]],
     return out
 
 
-def validate_rerank_input(model_input: Any, known_items: Container[int], num_candidates: int | None) -> tuple[list[list[int]], list[list[int]]]:
+def validate_rerank_input(
+    model_input: Any, known_items: Container[int], num_candidates: int | None, limits: ServeLimits | None = None
+) -> tuple[list[list[int]], list[list[int]]]:
     """Check a re-ranking request before any decoding; return its (histories, candidate lists).
 
     Every re-ranker's pyfunc (AR and diffusion) calls this first. A request is
-    rows with `history` (a non-empty list of item ids, oldest first) and
-    `candidates` (`num_candidates` distinct item ids, in the incoming order);
-    every id must be in `known_items` (the model's `items` artifact).
+    at most `limits.max_rows` rows with `history` (a non-empty list of at most
+    `limits.max_history` item ids, oldest first) and `candidates`
+    (`num_candidates` distinct item ids, in the incoming order); every id must
+    be in `known_items` (the model's `items` artifact).
 
     Raises:
         MlflowException (INVALID_PARAMETER_VALUE, HTTP 400 when served): every
             problem found, each naming its row and field.
     """
+    limits = limits or ServeLimits()
     rows = _as_records(model_input)
-    if len(rows) > MAX_ROWS_PER_REQUEST:
-        raise _bad_request([f"{len(rows)} rows; at most {MAX_ROWS_PER_REQUEST} per request"])
+    if len(rows) > limits.max_rows:
+        raise _bad_request([f"{len(rows)} rows; at most {limits.max_rows} per request"])
     problems: list[str] = []
     histories: list[list[int]] = []
     candidate_lists: list[list[int]] = []
@@ -202,6 +249,8 @@ def validate_rerank_input(model_input: Any, known_items: Container[int], num_can
             problems.append(f"row {i}: history: {why}")
         elif not history:
             problems.append(f"row {i}: history: empty; the model needs at least one item the user interacted with")
+        elif len(history) > limits.max_history:
+            problems.append(f"row {i}: history: {len(history)} items; at most {limits.max_history} (the prompt reads only the latest ones)")
         elif unknown := sorted({x for x in history if x not in known_items}):
             problems.append(f"row {i}: history: unknown item ids {unknown[:10]} (not in the model's items)")
         candidates, why = _item_list(row.get("candidates"))
@@ -212,7 +261,8 @@ def validate_rerank_input(model_input: Any, known_items: Container[int], num_can
                 problems.append(f"row {i}: candidates: {len(candidates)} items; the model ranks exactly {num_candidates}")
             elif len(candidates) < 2:
                 problems.append(f"row {i}: candidates: {len(candidates)} items; at least 2 are needed to rank")
-            if dup := sorted({x for x in candidates if candidates.count(x) > 1}):
+            # Counter, not list.count: a request with a huge candidate list must not cost O(K^2).
+            if dup := sorted(x for x, n in Counter(candidates).items() if n > 1):
                 problems.append(f"row {i}: candidates: duplicated item ids {dup}")
             if unknown := sorted({x for x in candidates if x not in known_items}):
                 problems.append(f"row {i}: candidates: unknown item ids {unknown[:10]} (not in the model's items)")
@@ -223,14 +273,15 @@ def validate_rerank_input(model_input: Any, known_items: Container[int], num_can
     return histories, candidate_lists
 
 
-def rerank_params(params: dict[str, Any] | None) -> dict[str, Any]:
-    """The decoding params of a re-ranking request, checked: `max_new_tokens` (1..4096, default
-    320) and `tau` (the diffusion commit threshold, in (0, 1], default 0.9)."""
+def rerank_params(params: dict[str, Any] | None, limits: ServeLimits | None = None) -> dict[str, Any]:
+    """The decoding params of a re-ranking request, checked: `max_new_tokens` (1..limits.max_new_tokens,
+    default 320 or the cap if lower) and `tau` (the diffusion commit threshold, in (0, 1], default 0.9)."""
+    cap = (limits or ServeLimits()).max_new_tokens
     params = dict(params or {})
     problems = [f"params: unknown key '{k}' (expected max_new_tokens, tau)" for k in params if k not in ("max_new_tokens", "tau")]
-    max_new = params.get("max_new_tokens", 320)
-    if isinstance(max_new, bool) or not isinstance(max_new, int) or not 1 <= max_new <= 4096:
-        problems.append(f"params: max_new_tokens must be an integer in 1..4096, got {max_new!r}")
+    max_new = params.get("max_new_tokens", min(320, cap))
+    if isinstance(max_new, bool) or not isinstance(max_new, int) or not 1 <= max_new <= cap:
+        problems.append(f"params: max_new_tokens must be an integer in 1..{cap}, got {max_new!r}")
     tau = params.get("tau", 0.9)
     if isinstance(tau, bool) or not isinstance(tau, (int, float)) or not 0.0 < float(tau) <= 1.0:
         problems.append(f"params: tau must be a number in (0, 1], got {tau!r}")
@@ -243,7 +294,8 @@ def reranker_log_kwargs(root: Path) -> dict[str, Any]:
     """`log_model` arguments of a re-ranker besides its artifacts.
 
     - model_config: the number of candidates it was trained to rank (the length
-      of the pre-ranker's lists in data/candidates), which requests must match;
+      of the pre-ranker's lists in data/candidates), which requests must match,
+      and the request caps of params.yaml `serve:` (ServeLimits);
     - signature: a params schema only. Without one MLflow drops every inference
       param (max_new_tokens, tau) with a warning; without an input schema the
       rows reach `validate_rerank_input`, whose errors say more than MLflow's
@@ -253,13 +305,14 @@ def reranker_log_kwargs(root: Path) -> dict[str, Any]:
     from mlflow.models import ModelSignature
     from mlflow.types import ParamSchema, ParamSpec
 
-    config: dict[str, Any] = {}
+    config: dict[str, Any] = load_serve_limits(root).model_dump()
     path = root / "data/candidates/test.parquet"
     if path.exists():
         lengths = pl.read_parquet(path, columns=["candidates"])["candidates"].list.len()
         if len(lengths):
             config["num_candidates"] = int(lengths.max())
-    params = ParamSchema([ParamSpec("max_new_tokens", "long", 320), ParamSpec("tau", "double", 0.9)])
+    # MLflow fills a missing param with its default, so the default must be within the cap.
+    params = ParamSchema([ParamSpec("max_new_tokens", "long", min(320, config["max_new_tokens"])), ParamSpec("tau", "double", 0.9)])
     return {"model_config": config, "signature": ModelSignature(inputs=None, outputs=None, params=params)}
 
 
@@ -286,6 +339,7 @@ class GR2Model(mlflow.pyfunc.PythonModel):
         self.items = ItemText(pl.read_parquet(context.artifacts["items"]))
         self.fmt = FormatConfig(**json.loads(Path(context.artifacts["format"]).read_text()))
         self.num_candidates = (context.model_config or {}).get("num_candidates")
+        self.limits = ServeLimits.from_model_config(context.model_config)
 
     def predict(self, context: Any, model_input: pd.DataFrame, params: dict[str, Any] | None = None) -> pd.DataFrame:
         import polars as pl
@@ -293,9 +347,9 @@ class GR2Model(mlflow.pyfunc.PythonModel):
         from gr2model.rerank_eval import decoder_kwargs, lm_rerank
 
         # Validate everything before decoding: a bad request is a 400 naming the row and field.
-        histories, candidates = validate_rerank_input(model_input, self.items, self.num_candidates)
+        histories, candidates = validate_rerank_input(model_input, self.items, self.num_candidates, self.limits)
         evidence = validate_rerank_evidence(model_input, candidates, len(self.fmt.evidence))
-        params = rerank_params(params)
+        params = rerank_params(params, self.limits)
         lists = pl.DataFrame({"history": histories, "candidates": candidates}, schema={"history": pl.List(pl.Int64), "candidates": pl.List(pl.Int64)})
         if evidence is not None:
             lists = lists.with_columns(pl.Series("evidence", evidence, dtype=pl.List(pl.List(pl.Int8))))

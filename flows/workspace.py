@@ -85,7 +85,7 @@ def make_workspace(
         params["schedule"] = {**(params.get("schedule") or {}), "source": str(source)}
     (dest / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     (dest / ".gitignore").write_text(
-        f"/mlflow.db\n/mlruns/\n/data/\n/checkpoints/\n/metrics/\n/reports/\n/.promote-*.lock\n__pycache__/\n/{SNAPSHOT_DIR}\n/{REMOTE_DIR}/\n"
+        f"/mlflow.db\n/mlruns/\n/data/\n/checkpoints/\n/metrics/\n/reports/\n/.promote-*.lock\n/.gr2/\n__pycache__/\n/{SNAPSHOT_DIR}\n/{REMOTE_DIR}/\n"
     )
     dvcignore = dest / ".dvcignore"
     if f"/{REMOTE_DIR}/" not in (dvcignore.read_text() if dvcignore.exists() else ""):

@@ -25,10 +25,11 @@ import sys
 import urllib.error
 import urllib.request
 import uuid
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import polars as pl
 
@@ -112,8 +113,8 @@ def _decode(path: Path, raw: bytes) -> str:
     if raw[:2] == b"\x1f\x8b":  # gzip magic: trust the content over the suffix
         try:
             raw = gzip.decompress(raw)
-        except (OSError, EOFError) as e:
-            raise DataError(f"{path.name}: corrupt gzip data ({e})") from e
+        except (OSError, EOFError, zlib.error) as e:
+            raise DataError(f"{path.name} line 1: starts with the gzip signature but is not valid gzip data ({e})") from e
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -122,10 +123,40 @@ def _decode(path: Path, raw: bytes) -> str:
 
 
 def _lines(path: Path) -> Iterator[tuple[int, str]]:
-    """(1-based line number, line) for the non-blank lines of a plain or gzip text file."""
-    for n, line in enumerate(_decode(path, _read_bytes(path)).splitlines(), start=1):
+    """(1-based line number, line) for the non-blank lines of a plain or gzip text file.
+
+    Lines end at "\n" only (a trailing "\r" is dropped): str.splitlines would also
+    break at form feeds, U+0085 or U+2028, and the numbers in error messages
+    would then differ from the lines an editor shows.
+    """
+    for n, line in enumerate(_decode(path, _read_bytes(path)).split("\n"), start=1):
+        line = line.removesuffix("\r")
         if line.strip():
             yield n, line
+
+
+# Within a line of the sequence file: C0/C1 control characters other than tab, and
+# Unicode line/paragraph separators. They are whitespace to the tokenizer, so a
+# line break corrupted into one would silently merge two users.
+_CONTROL_RE = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029]")
+# Ids are stored as Int64.
+_MAX_ID = 2**63 - 1
+
+
+def _json_loads(path: Path, text: str, line: int) -> Any:
+    """json.loads with every way it fails as a DataError naming the file and line.
+
+    Besides JSONDecodeError: ValueError for integers of more than 4,300 digits
+    (Python's limit on int parsing) and RecursionError for deeply nested arrays.
+    """
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise DataError(f"{path.name} line {line + e.lineno - 1}: invalid JSON ({e.msg}, column {e.colno})") from e
+    except ValueError as e:
+        raise DataError(f"{path.name} line {line}: invalid JSON ({e})") from e
+    except RecursionError:
+        raise DataError(f"{path.name} line {line}: invalid JSON (nested too deeply)") from None
 
 
 # ------------------------------------------------------------------ sequence format
@@ -136,10 +167,7 @@ def _load_id_map(path: Path) -> dict[int, list[int]]:
     text = _decode(path, _read_bytes(path))
     if not text.strip():
         raise DataError(f"{path.name}: file is empty")
-    try:
-        obj = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise DataError(f"{path.name} line {e.lineno}: invalid JSON ({e.msg}, column {e.colno})") from e
+    obj = _json_loads(path, text, 1)
     if not isinstance(obj, dict):
         raise DataError(f"{path.name} line 1: expected a JSON object {{\"item_id\": [ints]}}")
     out: dict[int, list[int]] = {}
@@ -149,8 +177,8 @@ def _load_id_map(path: Path) -> dict[int, list[int]]:
         except ValueError:
             raise DataError(f"{path.name}: key {key!r} is not an integer item id") from None
         # bool is an int subclass; true/false in an id list is a corrupt file, not 1/0.
-        if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
-            raise DataError(f"{path.name} item {item}: value must be a list of integers, got {value!r}")
+        if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) and abs(v) <= _MAX_ID for v in value):
+            raise DataError(f"{path.name} item {item}: value must be a list of integers (64-bit), got {str(value)[:200]}")
         out[item] = value
     return out
 
@@ -188,6 +216,9 @@ def load_sequence_dataset(
     lines = list(_lines(seq_path))
     if not lines:
         raise DataError(f"{name}: file is empty")
+    for n, line in lines:
+        if m := _CONTROL_RE.search(line):
+            raise DataError(f"{name} line {n}: control character U+{ord(m.group(0)):04X} (a corrupted file?)")
     if max_users is not None:
         lines = lines[:max_users]
 
@@ -203,7 +234,7 @@ def load_sequence_dataset(
     )
     bad = exploded.filter(pl.col("v").is_null()).head(1)
     if bad.height:
-        raise DataError(f"{name} line {bad['lineno'][0]}: token {bad['tok'][0]!r} is not an integer")
+        raise DataError(f"{name} line {bad['lineno'][0]}: token {bad['tok'][0][:40]!r} is not an integer (ids are 1..{_MAX_ID})")
     bad = exploded.filter(pl.col("v") < 1).head(1)
     if bad.height:
         raise DataError(f"{name} line {bad['lineno'][0]}: id {bad['v'][0]} must be >= 1 (0 is padding)")
@@ -304,10 +335,7 @@ def _read_reviews(path: Path) -> pl.DataFrame:
     items: list[str] = []
     times: list[int] = []
     for n, line in _lines(path):
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise DataError(f"{path.name} line {n}: invalid JSON ({e.msg}, column {e.colno})") from e
+        rec = _json_loads(path, line, n)
         if not isinstance(rec, dict):
             raise DataError(f"{path.name} line {n}: expected a JSON object")
         for field, typ in _REVIEW_FIELDS.items():
@@ -315,7 +343,9 @@ def _read_reviews(path: Path) -> pl.DataFrame:
                 raise DataError(f"{path.name} line {n}: field {field!r} is missing")
             value = rec[field]
             if not isinstance(value, typ) or isinstance(value, bool):
-                raise DataError(f"{path.name} line {n}: field {field!r} should be {typ.__name__}, got {value!r}")
+                raise DataError(f"{path.name} line {n}: field {field!r} should be {typ.__name__}, got {str(value)[:80]}")
+            if typ is int and abs(value) > _MAX_ID:
+                raise DataError(f"{path.name} line {n}: field {field!r} is out of the 64-bit range, got {str(value)[:40]}...")
         users.append(rec["reviewerID"])
         items.append(rec["asin"])
         times.append(rec["unixReviewTime"])
@@ -345,10 +375,11 @@ def _read_meta(path: Path, wanted: set[str]) -> dict[str, list[str]]:
             continue
         try:
             rec = json.loads(line)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):  # JSONDecodeError, or an int over 4,300 digits, or nesting
             try:
                 rec = ast.literal_eval(line)
-            except (ValueError, SyntaxError, MemoryError, RecursionError) as e:
+            # TypeError: a literal that builds nothing hashable, such as {[1]: 2}
+            except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError) as e:
                 raise DataError(f"{path.name} line {n}: neither JSON nor a Python dict literal ({e})") from None
         if not isinstance(rec, dict):
             raise DataError(f"{path.name} line {n}: expected an object/dict")

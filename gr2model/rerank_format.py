@@ -292,7 +292,8 @@ class ItemText:
         ("<a_1> <b_2> <c_3> <d_4>", " <a_1><b_2>  <c_3> <d_4> "); None when the text
         is not exactly one well-formed id or no item has it."""
         m = _SID_RE.fullmatch(sid_text.strip())
-        if m is None:
+        # No item has a code of more than 18 digits (int64); int() of thousands of digits would raise.
+        if m is None or any(len(g) > 18 for g in m.groups()):
             return None
         return self._item_of.get(tuple(int(g) for g in m.groups()))
 
@@ -545,7 +546,9 @@ def parse_response(
         obj = json.loads(body, object_pairs_hook=_no_duplicate_keys)
     except _DuplicateKey:
         return fail("duplicate key")
-    except (json.JSONDecodeError, RecursionError):
+    # ValueError besides JSONDecodeError: an integer of more than 4,300 digits
+    # (Python's int parsing limit); RecursionError: deeply nested arrays.
+    except (ValueError, RecursionError):
         return fail("not json")
     if not isinstance(obj, dict):
         return fail("not an object")
@@ -571,7 +574,8 @@ def parse_response(
     # Well-formed from here on; what remains is whether it is a permutation.
     if index:
         k = len(incoming)
-        ids = [incoming[p - 1] if 1 <= (p := int(m.group(1))) <= k else None for m in matches]  # type: ignore[union-attr]
+        # A position of more digits than K has is out of set; int() of thousands of digits would raise.
+        ids = [incoming[p - 1] if len(m.group(1)) <= len(str(k)) and 1 <= (p := int(m.group(1))) <= k else None for m in matches]  # type: ignore[union-attr]
     else:
         ids = [items.item_of_sid(r) for r in recs]
     allowed = set(incoming)

@@ -5,13 +5,21 @@ and register its model) and hands its id to the stage process in MLFLOW_RUN_ID;
 `dvc repro` or `python -m tasks.<stage>` run by hand get a fresh top-level run.
 `import mlflow` costs 1-2 s, so it happens inside functions, never at import.
 Set GR2_TRACKING=off to run a stage with no tracking at all (unit tests).
+
+Every run carries the process that owns it (`gr2.host`, `gr2.pid`,
+`gr2.pid_start`, plus `gr2.stage_pid`/`gr2.stage_pid_start` of the stage
+process that resumes it) and its workspace (`gr2.root`), so the next `gr2 run`
+can tell a run whose process died (SIGKILL, out of memory, power loss) from one
+still working, and close it as KILLED (`close_stale_runs`).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import socket
 import subprocess
+import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -74,6 +82,103 @@ def git_lineage(root: Path) -> dict[str, str]:
     except (subprocess.CalledProcessError, FileNotFoundError):
         return {"git.commit": "unknown", "git.dirty": "unknown"}
     return {"git.commit": commit, "git.dirty": str(dirty).lower()}
+
+
+def process_start(pid: int) -> str | None:
+    """A running process's start time (clock ticks since boot, from /proc), or None if it is not running.
+
+    The start time tells a process from a later one that reused its pid. Where
+    /proc is missing it is "" for a live pid (the pid alone is then the identity).
+    A zombie (exited, not yet reaped) counts as not running.
+    """
+    if pid <= 0:
+        return None
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        if Path("/proc/self/stat").exists():
+            return None
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return None
+        except PermissionError:  # alive, another user's
+            return ""
+        return ""
+    except OSError:
+        return None
+    # The command name (field 2) may hold spaces and parentheses: split after its last ')'.
+    fields = stat[stat.rindex(")") + 2 :].split()
+    if fields[0] in ("Z", "X"):
+        return None
+    return fields[19]
+
+
+def process_alive(pid: int, start: str | None = None) -> bool:
+    """Whether `pid` runs and, when its recorded `start` is known, is the same process that recorded it."""
+    now = process_start(pid)
+    if now is None:
+        return False
+    return not (start and now and now != start)
+
+
+def owner_tags(root: Path, prefix: str = "gr2.") -> dict[str, str]:
+    """Tags naming this process and workspace as the owner of a run (see the module docstring).
+
+    `prefix` "gr2.stage_" gives the stage process's pair (pid, pid_start) only.
+    """
+    pid = os.getpid()
+    tags = {f"{prefix}pid": str(pid), f"{prefix}pid_start": process_start(pid) or ""}
+    if prefix == "gr2.":
+        tags |= {"gr2.host": socket.gethostname(), "gr2.root": str(root.resolve())}
+    return tags
+
+
+def owners_alive(tags: Mapping[str, str]) -> bool | None:
+    """Whether any process recorded as owning a run still runs; None when that cannot be told here.
+
+    None for a run from another host (its pids mean nothing here) or one that
+    recorded no pid (made before these tags existed).
+    """
+    if tags.get("gr2.host") != socket.gethostname():
+        return None
+    pids = [(tags.get(f"{p}pid", ""), tags.get(f"{p}pid_start")) for p in ("gr2.", "gr2.stage_")]
+    pids = [(int(pid), start) for pid, start in pids if pid.isdigit()]
+    if not pids:
+        return None
+    return any(process_alive(pid, start) for pid, start in pids)
+
+
+def close_stale_runs(root: Path, client: Any = None, logger: logging.Logger | logging.LoggerAdapter | None = None) -> list[str]:
+    """End as KILLED every RUNNING run of this workspace whose owning processes are all gone.
+
+    A SIGKILLed `gr2 run` (or stage process) never ends its MLflow runs, which
+    would otherwise show RUNNING forever. Only runs tagged with this workspace
+    (`gr2.root`) and this host are judged; a run whose owner still runs (another
+    `gr2 run` at work, a stage process that outlived its flow) is left alone.
+    Logs one line per closed run and returns their ids.
+    """
+    from mlflow import MlflowClient
+
+    logger = logger or log
+    root = root.resolve()
+    client = client or MlflowClient()
+    closed = []
+    runs = client.search_runs([experiment_id(root)], filter_string="attributes.status = 'RUNNING'", max_results=1000)
+    for run in runs:
+        tags = run.data.tags
+        if tags.get("gr2.root") != str(root) or owners_alive(tags) is not False:
+            continue
+        client.set_terminated(run.info.run_id, "KILLED")
+        started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(run.info.start_time / 1000))
+        stage = tags.get("gr2.stage", "pipeline")
+        owners = ", ".join(f"pid {tags[k]}" for k in ("gr2.pid", "gr2.stage_pid") if tags.get(k))
+        logger.warning(
+            "MLflow run %s (%s, started %s by %s on %s) was still RUNNING but its process is gone: marked KILLED",
+            run.info.run_id, stage, started, owners, tags.get("gr2.host"),
+        )  # fmt: skip
+        closed.append(run.info.run_id)
+    return closed
 
 
 def flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -153,12 +258,14 @@ def stage_run(stage: str, params: Mapping[str, Any]) -> Iterator[StageTracker]:
 
     root = project_root()
     exp = experiment_id(root)
-    tags = {"gr2.stage": stage, **git_lineage(root)}
+    tags = {"gr2.stage": stage, **git_lineage(root), **owner_tags(root, "gr2.stage_")}
     # With MLFLOW_RUN_ID set (the flow made the run) start_run ignores its other
-    # arguments, so the tags are set explicitly either way.
+    # arguments, so the tags are set explicitly either way. The flow's run already
+    # names its owner (the `gr2 run` process); a run started here is owned by this one.
+    resumed = bool(os.environ.get("MLFLOW_RUN_ID"))
     with mlflow.start_run(experiment_id=exp, run_name=stage) as run:
         tracker = StageTracker(run.info.run_id)
-        tracker.set_tags(tags)
+        tracker.set_tags(tags if resumed else {**tags, **owner_tags(root)})
         tracker.log_params(params)
         log.info("MLflow run %s (%s)", run.info.run_id, stage)
         yield tracker
