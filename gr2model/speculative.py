@@ -487,7 +487,13 @@ class _VerifierCache:
         return out.logits
 
     def keep(self, new_kept: torch.Tensor) -> None:
-        """Each row keeps its first new_kept[r] columns; later slots become invalid (the rollback)."""
+        """Each row keeps its first new_kept[r] columns; later slots become invalid (the rollback).
+
+        What rolls back is `kept`: the next chunk overwrites the dropped slots.
+        Invalidating them is belt and braces: a dropped slot the next chunk does
+        not reach sits at a later position than every query of that chunk, so
+        the causal mask already hides it.
+        """
         width = self.slot_valid.shape[1]
         self.slot_valid &= torch.arange(width, device=new_kept.device)[None, :] < new_kept[:, None]
         self.kept = new_kept

@@ -226,6 +226,35 @@ def test_drafts_after_rejections_equal_drafts_from_scratch(model, prompts, mask_
     assert checked >= 10
 
 
+def test_verify_logits_after_rejections_equal_a_full_forward(model, bad_model, prompts, mask_id, monkeypatch) -> None:
+    """The AR cache rolled back after rejections scores each chunk as a from-scratch forward would."""
+    import gr2model.speculative as sp
+
+    chunks: list[tuple[list[int], int, torch.Tensor]] = []
+    real = sp._VerifierCache.forward
+
+    def spy(self, ids, pos, valid, logits_to_keep=0):
+        logits = real(self, ids, pos, valid, logits_to_keep)
+        if logits_to_keep == 0:  # a verify forward (not the prefill); batch 1 here
+            n = int(valid[0].sum())
+            chunks.append((ids[0, :n].tolist(), int(pos[0, 0]), logits[0, :n].clone()))
+        return logits
+
+    monkeypatch.setattr(sp._VerifierCache, "forward", spy)
+    for prompt in prompts:
+        chunks.clear()
+        out = spec(model, DiffusionDrafter(bad_model, 2, block_size=4, mask_id=mask_id), [prompt], draft_len=4)
+        assert out.drafted_tokens > out.accepted_tokens  # rejections happened
+        full_seq = prompt + out.sequences[0]
+        for ids, first_pos, logits in chunks:
+            # Positions count from the prompt's first token: the chunk's first
+            # token (the last accepted one) sits at full_seq[first_pos].
+            assert full_seq[first_pos] == ids[0]
+            with torch.no_grad():
+                ref = model(input_ids=torch.tensor([full_seq[:first_pos] + ids])).logits[0, first_pos:]
+            assert torch.allclose(logits, ref, atol=1e-4)
+
+
 # ---------------------------------------------------------------- edge cases
 
 
