@@ -61,6 +61,7 @@ its verifications.
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -86,6 +87,8 @@ __all__ = [
     "accept_greedy",
     "accept_sampling",
     "speculative_generate",
+    "SpeculativeBenchmark",
+    "speculative_benchmark",
 ]
 
 
@@ -105,7 +108,8 @@ class SpeculativeDecodeOutput(DecodeOutput):
         drafts: draft rounds (batch calls of the drafter).
         verifications: verify forwards of the AR model (batch-level).
         accepted_lengths: per row, for each verification of that row, how many
-            draft tokens it accepted (0 .. drafted).
+            draft tokens it accepted and kept (0 .. drafted; an eos among them
+            cuts the ones after it, which are not counted).
         drafted_tokens: draft tokens proposed, all rows and rounds.
         batch_size: rows of the call (for the per-token ratios).
     """
@@ -658,4 +662,92 @@ def speculative_generate(
         accepted_lengths=accepted_lengths,
         drafted_tokens=drafted_tokens,
         batch_size=batch,
+    )
+
+
+# ---------------------------------------------------------------- benchmark
+
+
+@dataclass
+class SpeculativeBenchmark:
+    """Speculative vs `ar_generate` on the same prompts, measured in one run (greedy).
+
+    Attributes:
+        ar_tokens_per_s, spec_tokens_per_s: medians over the repeats.
+        speedup: median of the paired ratios spec / AR tokens per second (each
+            pair measured back to back, so a load change hits both).
+        mean_accepted_length: draft tokens accepted per row verification.
+        acceptance_rate: accepted / drafted tokens.
+        ar_forwards_per_token, draft_forwards_per_token: forwards of each model
+            per generated token of one row (`SpeculativeDecodeOutput`); AR
+            decoding alone spends 1.0 AR forward per token.
+        tokens_equal: the speculative tokens equal `ar_generate`'s (they must,
+            up to floating-point near-ties).
+        batch_size, generated_tokens, repeats: what was measured.
+    """
+
+    ar_tokens_per_s: float
+    spec_tokens_per_s: float
+    speedup: float
+    mean_accepted_length: float
+    acceptance_rate: float
+    ar_forwards_per_token: float
+    draft_forwards_per_token: float
+    tokens_equal: bool
+    batch_size: int
+    generated_tokens: int
+    repeats: int
+
+
+def speculative_benchmark(
+    model: PreTrainedModel,
+    drafter: Drafter,
+    prompts: Sequence[Sequence[int]],
+    *,
+    pad_id: int,
+    eos_id: int,
+    max_new_tokens: int,
+    draft_len: int,
+    repeats: int = 3,
+) -> SpeculativeBenchmark:
+    """Tokens/s of `speculative_generate` against `ar_generate` (greedy, same weights, same prompts, same run).
+
+    One untimed warm-up of each, then `repeats` interleaved pairs (AR, then
+    speculative). Only a ratio measured in one run means anything: machine
+    load and hardware cancel out as far as they can. The project's speed rows
+    compare with the best AR decoder (`gr2model.bench`, which also times HF
+    `generate`); this helper times our loop only. Set the thread count before
+    calling (1 on a shared CPU: see `gr2model.ar_decode`).
+    """
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    ar_kw = dict(pad_id=pad_id, eos_id=eos_id, max_new_tokens=max_new_tokens)
+
+    def ar() -> DecodeOutput:
+        return ar_generate(model, prompts, **ar_kw)
+
+    def spec() -> SpeculativeDecodeOutput:
+        return speculative_generate(model, drafter, prompts, draft_len=draft_len, **ar_kw)
+
+    ar(), spec()  # warm-up (allocator, lazy initialisation)
+    ar_rates, spec_rates, ratios = [], [], []
+    ar_out = spec_out = None
+    for _ in range(repeats):
+        ar_out, spec_out = ar(), spec()
+        ar_rates.append(ar_out.tokens_per_s)
+        spec_rates.append(spec_out.tokens_per_s)
+        ratios.append(spec_out.tokens_per_s / ar_out.tokens_per_s if ar_out.tokens_per_s > 0 else 0.0)
+    assert ar_out is not None and spec_out is not None
+    return SpeculativeBenchmark(
+        ar_tokens_per_s=statistics.median(ar_rates),
+        spec_tokens_per_s=statistics.median(spec_rates),
+        speedup=statistics.median(ratios),
+        mean_accepted_length=spec_out.mean_accepted_length,
+        acceptance_rate=spec_out.acceptance_rate,
+        ar_forwards_per_token=spec_out.ar_forwards_per_token,
+        draft_forwards_per_token=spec_out.draft_forwards_per_token,
+        tokens_equal=spec_out.sequences == ar_out.sequences,
+        batch_size=len(prompts),
+        generated_tokens=spec_out.generated_tokens,
+        repeats=repeats,
     )

@@ -18,6 +18,7 @@ from gr2model.speculative import (
     accept_greedy,
     accept_sampling,
     sampling_probs,
+    speculative_benchmark,
     speculative_generate,
 )
 
@@ -410,3 +411,17 @@ def test_sampling_with_test_drafters_matches_too() -> None:
             temperature=1.0, generator=g,
         )
         assert chi_square_p(out.sequences, exact) > 1e-3
+
+
+# ---------------------------------------------------------------- benchmark helper (no timing asserted)
+
+
+def test_benchmark_helper_reports(model, prompts, mask_id) -> None:
+    drafter = DiffusionDrafter(model, 2, block_size=4, mask_id=mask_id)
+    b = speculative_benchmark(model, drafter, prompts[:2], pad_id=PAD, eos_id=NO_EOS, max_new_tokens=12, draft_len=4,
+                              repeats=1)
+    assert b.tokens_equal and b.generated_tokens == 24 and b.batch_size == 2 and b.repeats == 1
+    assert b.speedup > 0 and b.ar_tokens_per_s > 0 and b.spec_tokens_per_s > 0
+    assert 0 <= b.mean_accepted_length <= 4 and 0 <= b.acceptance_rate <= 1
+    assert 0 < b.ar_forwards_per_token <= 1 + 1 / 12  # the prefill, then at most one verify per token
+    assert b.draft_forwards_per_token > 0
