@@ -292,7 +292,8 @@ class DiffusionDrafter:
         tokens = torch.zeros((rows, k), dtype=torch.long, device=device)
         probs = None
         if k == 0:
-            return Draft(tokens, n, None if temperature <= 0 else torch.zeros((rows, 0, self.vocab_size), device=device))
+            empty = torch.zeros((rows, 0, self.vocab_size), device=device) if temperature > 0 else None
+            return Draft(tokens, n, empty)
         # Bring the drafter's cache up to date. Invariant: after the first
         # forward of the drafting loop below, every row's active block is the
         # block holding its next position (start == target) and the cache holds
@@ -368,7 +369,9 @@ def sampling_probs(logits: torch.Tensor, temperature: float, top_k: int = 0) -> 
     return torch.softmax(scaled, dim=-1)
 
 
-def accept_greedy(draft: torch.Tensor, lengths: torch.Tensor, target_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def accept_greedy(
+    draft: torch.Tensor, lengths: torch.Tensor, target_logits: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Greedy verification: the longest draft prefix equal to the verifier's argmax, then its next argmax.
 
     Args:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import replace
 
 import pytest
@@ -88,7 +87,8 @@ class PerfectDrafter:
         tokens = torch.zeros((len(self.prompts), k), dtype=torch.long)
         for r, (p, n, c) in enumerate(zip(self.prompts, length.tolist(), count.tolist())):
             if c:
-                out = ar_generate(self.model, [p + response[r, :n].tolist()], pad_id=PAD, eos_id=NO_EOS, max_new_tokens=c)
+                context = [p + response[r, :n].tolist()]
+                out = ar_generate(self.model, context, pad_id=PAD, eos_id=NO_EOS, max_new_tokens=c)
                 tokens[r, :c] = torch.tensor(out.sequences[0])
                 self.nfe += out.nfe
         probs = torch.nn.functional.one_hot(tokens, self.vocab).float() if temperature > 0 else None
@@ -197,7 +197,8 @@ def test_drafts_after_rejections_equal_drafts_from_scratch(model, prompts, mask_
         d = real(self, response, length, count, temperature, generator)
         for r in range(length.shape[0]):
             n = int(length[r])
-            rounds.append((self.tag[r], response[r, :n].tolist(), int(count[r]), d.tokens[r, : int(d.lengths[r])].tolist()))
+            drafted = d.tokens[r, : int(d.lengths[r])].tolist()
+            rounds.append((self.tag[r], response[r, :n].tolist(), int(count[r]), drafted))
         return d
 
     real_select = DiffusionDrafter.select
