@@ -23,6 +23,19 @@ Rows (one per decoder, model, threshold, sub-block size and batch size):
     tokens_per_forward: 1 / nfe_per_token
     response_tokens: mean generated tokens per example
     recall@1, ndcg@3, valid_format_rate, valid_permutation_rate
+    draft_len, draft_steps, mean_accepted_length, ar_forwards_per_token,
+    draft_forwards_per_token, equal_to_gr2: speculative rows only (None
+        elsewhere), see below
+
+Speculative rows (decoder "spec", model: the drafter's name, tau None): GR2
+verifies what the diffusion model drafts (`gr2model.speculative`, greedy), so
+the answers are GR2's own and only the speed differs. draft_len tokens drafted
+per round in draft_steps denoising forwards; mean_accepted_length: draft tokens
+accepted per row verification; ar_forwards_per_token and
+draft_forwards_per_token: each model's forwards per generated token of one row
+(as nfe_per_token, which is their sum); equal_to_gr2: the share of examples
+whose tokens equal those of our AR loop ("ar") at the same batch size in the
+same run (1.0 unless a floating-point near-tie broke apart).
 """
 
 from __future__ import annotations
@@ -37,15 +50,46 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from gr2model.ar_decode import ar_generate, hf_generate
 from gr2model.block_diffusion import block_diffusion_settings
 from gr2model.diffusion_decode import diffusion_generate
-from gr2model.rerank_eval import LMRerankResult, lm_rerank
+from gr2model.rerank_eval import LMRerankResult, lm_rerank, speculative_kwargs
 from gr2model.rerank_format import FormatConfig, ItemText, rerank_metrics
+from gr2model.speculative import SpeculativeDecodeOutput
 
 log = logging.getLogger(__name__)
 
 SPEED_FIELDS = (
     "decoder", "model", "tau", "sub_block_size", "batch_size", "n", "seconds", "tokens_per_s", "speedup", "nfe_per_token",
     "tokens_per_forward", "response_tokens", "recall@1", "ndcg@3", "valid_format_rate", "valid_permutation_rate",
+    "draft_len", "draft_steps", "mean_accepted_length", "ar_forwards_per_token", "draft_forwards_per_token", "equal_to_gr2",
 )  # fmt: skip
+# The fields only speculative rows fill (None on the others).
+SPEC_FIELDS = SPEED_FIELDS[SPEED_FIELDS.index("draft_len") :]
+
+
+def equal_share(sequences: Sequence[Sequence[int]], reference: Sequence[Sequence[int]]) -> float:
+    """The share of rows whose token ids equal the reference row's (same order, same length)."""
+    if len(sequences) != len(reference):
+        raise ValueError(f"{len(sequences)} sequences vs {len(reference)} reference rows")
+    return sum(list(a) == list(b) for a, b in zip(sequences, reference)) / max(len(sequences), 1)
+
+
+def speculative_stats(out: LMRerankResult, batch_size: int) -> dict[str, float]:
+    """The counts of a speculative `lm_rerank` (every batch a `SpeculativeDecodeOutput`), over all its batches.
+
+    mean_accepted_length: accepted draft tokens per row verification;
+    ar_forwards_per_token, draft_forwards_per_token: forwards of each model
+    * batch_size / generated tokens, the convention of the rows' nfe_per_token
+    (so the two add up to it).
+    """
+    spec = [o for o in out.outputs if isinstance(o, SpeculativeDecodeOutput)]
+    if len(spec) != len(out.outputs):
+        raise ValueError("speculative_stats needs the outputs of a speculative decode")
+    tokens = max(out.generated_tokens, 1)
+    verifications = sum(o.row_verifications for o in spec)
+    return {
+        "mean_accepted_length": sum(o.accepted_tokens for o in spec) / verifications if verifications else 0.0,
+        "ar_forwards_per_token": sum(o.ar_nfe for o in spec) * batch_size / tokens,
+        "draft_forwards_per_token": sum(o.draft_nfe for o in spec) * batch_size / tokens,
+    }
 
 
 def _row(
@@ -71,6 +115,7 @@ def _row(
         "ndcg@3": m["ndcg@3"],
         "valid_format_rate": m["valid_format_rate"],
         "valid_permutation_rate": m["valid_permutation_rate"],
+        **dict.fromkeys(SPEC_FIELDS),
     }
 
 
@@ -88,6 +133,9 @@ def decode_benchmark(
     ar_name: str = "gr2",
     on_row: Callable[[dict[str, Any]], None] | None = None,
     sub_block_sizes: Sequence[int] = (),
+    drafters: Mapping[str, PreTrainedModel] | None = None,
+    draft_len: int = 8,
+    draft_steps: int = 2,
 ) -> list[dict[str, Any]]:
     """Decode `lists` with every decoder, threshold and batch size; one row each (module docstring).
 
@@ -104,20 +152,30 @@ def decode_benchmark(
             diffusion model, threshold and S here, decoded with
             sub_block_size=S; a model whose block size S does not divide is
             skipped for that S (logged). Empty (default): no such rows.
+        drafters: name -> block-diffusion model: one speculative row each
+            ("spec", module docstring), GR2 verifying its drafts of
+            `draft_len` tokens made in `draft_steps` forwards. None: no such rows.
     Returns:
-        The rows, AR first within each batch size; `speedup` is relative to the
-        faster of "ar" and "hf" at the same batch size.
+        The rows, AR first within each batch size, then diffusion, then
+        speculative; `speedup` is relative to the faster of "ar" and "hf" at
+        the same batch size.
     """
     if any(s < 1 for s in sub_block_sizes):
         raise ValueError(f"sub_block_sizes must be >= 1, got {list(sub_block_sizes)}")
+    drafters = drafters or {}
+    if drafters and (draft_len < 1 or draft_steps < 1):
+        raise ValueError(f"draft_len and draft_steps must be >= 1, got {draft_len}, {draft_steps}")
     targets = lists["target"].to_list()
     rows: list[dict[str, Any]] = []
     for bs in batch_sizes:
         common = {"batch_size": bs, "max_new_tokens": max_new_tokens}
         batch_rows = []
+        ar_sequences: list[list[int]] = []  # our AR loop's tokens: what the speculative rows must reproduce
         for decoder_name, decoder in (("ar", ar_generate), ("hf", hf_generate)):
             out = lm_rerank(ar_model, tok, lists, items, fmt, decoder=decoder, desc=f"bench {decoder_name} b{bs}", **common)
             batch_rows.append(_row(decoder_name, ar_name, None, bs, out, targets))
+            if decoder_name == "ar":
+                ar_sequences = out.sequences
         best_ar = max(r["tokens_per_s"] for r in batch_rows)
         for r in batch_rows:
             r["speedup"] = r["tokens_per_s"] / best_ar
@@ -144,6 +202,19 @@ def decode_benchmark(
                     batch_rows.append(row)
                     if on_row:
                         on_row(row)
+        for name, drafter_model in drafters.items():
+            out = lm_rerank(
+                ar_model, tok, lists, items, fmt, desc=f"bench spec {name} k{draft_len} b{bs}",
+                **speculative_kwargs(drafter_model, draft_steps, draft_len), **common,
+            )  # fmt: skip
+            row = _row("spec", name, None, bs, out, targets)
+            row.update(
+                speedup=row["tokens_per_s"] / best_ar, draft_len=draft_len, draft_steps=draft_steps,
+                equal_to_gr2=equal_share(out.sequences, ar_sequences), **speculative_stats(out, bs),
+            )  # fmt: skip
+            batch_rows.append(row)
+            if on_row:
+                on_row(row)
         rows.extend(batch_rows)
     return rows
 
@@ -151,11 +222,14 @@ def decode_benchmark(
 def speed_table(rows: Sequence[Mapping[str, Any]]) -> str:
     """The rows as a markdown table (the benchmark's printed and reported form).
 
-    A sub_block_size column only when some row has one (the default table is unchanged).
+    A sub_block_size column only when some row has one, and the speculative
+    columns only when some row is speculative (the default table is unchanged).
     """
     cols: tuple[str, ...] = ("decoder", "model", "tau", "batch_size", "tokens_per_s", "speedup", "nfe_per_token", "response_tokens", "recall@1", "valid_format_rate")
     if any(r.get("sub_block_size") is not None for r in rows):
         cols = cols[:3] + ("sub_block_size",) + cols[3:]
+    if any(r.get("decoder") == "spec" for r in rows):
+        cols += SPEC_FIELDS
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
         cells = []

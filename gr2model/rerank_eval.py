@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import polars as pl
@@ -17,6 +17,7 @@ from tqdm.auto import tqdm
 from gr2model.ar_decode import DecodeOutput, ar_generate
 from gr2model.block_diffusion import block_diffusion_settings
 from gr2model.diffusion_decode import check_sub_block_size, diffusion_generate
+from gr2model.speculative import DiffusionDrafter, Drafter, SpeculativeDecodeOutput, speculative_generate
 from gr2model.rerank_format import FormatConfig, ItemText, ParsedResponse, build_prompt, evidence_of, parse_response
 from gr2model.tokenizer import special_ids
 
@@ -78,13 +79,35 @@ def decoder_kwargs(model, threshold: float, sub_block_size: int | None = None) -
     return kwargs
 
 
+def _speculative_decode(model, prompts, *, drafter: Drafter, **kwargs) -> SpeculativeDecodeOutput:
+    """`speculative_generate` with the `Decoder` call shape (model, prompts, **kwargs) that `lm_rerank` uses."""
+    return speculative_generate(model, drafter, prompts, **kwargs)
+
+
+def speculative_kwargs(drafter_model, steps: int, draft_len: int) -> dict:
+    """The `lm_rerank` keyword arguments that decode speculatively: the AR model passed to
+    `lm_rerank` verifies, `drafter_model` (a block-diffusion model, block size and mask id
+    from its config) drafts `draft_len` tokens per round in `steps` denoising forwards.
+    Greedy: the answers are the AR model's own (`gr2model.speculative`)."""
+    return {"decoder": _speculative_decode, "drafter": DiffusionDrafter(drafter_model, steps), "draft_len": draft_len}
+
+
 @dataclass
 class LMRerankResult:
+    """What `lm_rerank` decoded, in the input order (`outputs` in decoding order).
+
+    sequences: each row's generated token ids (eos included), for token-level comparisons.
+    outputs: the decoder's output of each batch (decoder-specific counts, e.g.
+        `SpeculativeDecodeOutput.accepted_lengths`).
+    """
+
     parsed: list[ParsedResponse]
     texts: list[str]
     generated_tokens: int
     nfe: int
     seconds: float
+    sequences: list[list[int]] = field(default_factory=list)
+    outputs: list[DecodeOutput] = field(default_factory=list)
 
 
 def lm_rerank(
@@ -110,6 +133,8 @@ def lm_rerank(
     prompts = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts_of(lists, items, fmt)]
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     texts: list[str] = [""] * len(prompts)
+    sequences: list[list[int]] = [[] for _ in prompts]
+    outputs: list[DecodeOutput] = []
     gen = nfe = 0
     seconds = 0.0
     for start in tqdm(range(0, len(order), batch_size), desc=desc, leave=False):
@@ -117,10 +142,12 @@ def lm_rerank(
         out = decoder(model, [prompts[i] for i in idx], pad_id=ids["pad"], eos_id=ids["eos"], max_new_tokens=max_new_tokens, **decode_kwargs)
         for i, seq in zip(idx, out.sequences, strict=True):
             texts[i] = tok.decode(seq, skip_special_tokens=False)
+            sequences[i] = list(seq)
+        outputs.append(out)
         gen += out.generated_tokens
         nfe += out.nfe
         seconds += out.seconds
     candidates = lists["candidates"].to_list()
     parsed = [parse_response(t, c, items, fmt=fmt) for t, c in zip(texts, candidates, strict=True)]
     log.info("%s: %d rows, %d tokens in %.1f s (%.0f tok/s)", desc, len(parsed), gen, seconds, gen / max(seconds, 1e-9))
-    return LMRerankResult(parsed, texts, gen, nfe, seconds)
+    return LMRerankResult(parsed, texts, gen, nfe, seconds, sequences, outputs)
