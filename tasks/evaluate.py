@@ -6,14 +6,19 @@ checkpoint that exists among `AR_MODELS`, decoded greedily with our KV-cache
 loop; `dgr2-naive` (GR2's weights converted to block diffusion, no training)
 and every diffusion checkpoint among `DIFFUSION_MODELS`, decoded greedily by
 the threshold decoder at `tau`. All are judged by the shared parser (an invalid
-answer falls back to the incoming order and is counted). Writes
+answer falls back to the incoming order and is counted). Then, unless
+`spec_row` is false, `spec-<drafter>`: GR2 verifying what the first existing
+diffusion model of `spec_drafter` drafts (speculative decoding, greedy), on the
+diffusion rows' examples; its answers are GR2's by construction and
+`equal_to_gr2_rate` checks it against the gr2 row's tokens. Writes
 `metrics/evaluate.json` as `{model: {split: {metric: value}}}` and
 `reports/evaluate.md`.
 
 Then the decode-speed benchmark (gr2model.bench) on the first `bench.examples`
 test examples: GR2 with both AR decoders against every diffusion model at each
-threshold and batch size, written to `metrics/speed.json` and
-`reports/speed.md` (also runnable alone: `gr2 bench decode`).
+threshold and batch size, and GR2 verifying each of `bench.spec_models`'
+drafts, written to `metrics/speed.json` and `reports/speed.md` (also runnable
+alone: `gr2 bench decode`).
 
     python -m tasks.evaluate
 """
@@ -23,18 +28,20 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
 import polars as pl
 import torch
 
-from gr2model.bench import SPEED_FIELDS, decode_benchmark, speed_table
+from gr2model.bench import SPEED_FIELDS, decode_benchmark, equal_share, speculative_stats, speed_table
 from gr2model.block_diffusion import block_diffusion_settings, convert_to_block_diffusion
 from gr2model.checkpoint import load_hf_checkpoint
 from gr2model.data import load_prepared
-from gr2model.rerank_eval import decoder_kwargs, fixed_rankings, lm_rerank, random_rankings, rerank_examples
+from gr2model.rerank_eval import (
+    LMRerankResult, decoder_kwargs, fixed_rankings, lm_rerank, random_rankings, rerank_examples, speculative_kwargs,
+)  # fmt: skip
 from gr2model.metrics import bootstrap_ci, per_example_gain
 from gr2model.rerank_format import RERANK_METRIC_NAMES, ItemText, ParsedResponse, rerank_metrics, target_ranks
 from gr2model.ltr_teacher import LTRConfig, LTRTeacher
@@ -59,6 +66,7 @@ DIFFUSION_MODELS: dict[str, Path] = {
     "dgr2-opd": Path("checkpoints/dgr2-opd"),
     "dgr2": Path("checkpoints/dgr2"),
 }
+SPEC_PREFIX = "spec-"  # `spec-<drafter>`: GR2 verifying that diffusion model's drafts (ARCHITECTURE.md)
 # The paper's ablation: each row adds one stage to the one before it.
 ABLATION = ("prerank", "gr2", NAIVE, *DIFFUSION_MODELS)
 ABLATION_METRICS = ("recall@1", "recall@3", "ndcg@3", "valid_format_rate", "valid_permutation_rate", "copy_incoming_rate")
@@ -72,6 +80,10 @@ class BenchParams(StageConfig):
     examples: Count = 64  # the first N test re-ranking examples (the same for every decoder)
     models: list[str] = ["dgr2-cft", "dgr2"]  # diffusion models raced against GR2 (those that exist)
     sub_block_sizes: list[Count] = []  # extra diffusion rows decoding sub-block by sub-block (each must divide the block)
+    # Speculative rows: GR2 verifies what each of these diffusion models drafts (those that exist).
+    spec_models: list[str] = ["dgr2-opd", "dgr2"]
+    spec_draft_len: Count = 8  # tokens drafted per round (the drafter stops at its block end anyway)
+    spec_steps: Count = 2  # denoising forwards of the drafter per round
 
 
 class EvaluateConfig(StageConfig):
@@ -89,6 +101,10 @@ class EvaluateConfig(StageConfig):
     # the block size is checked at decode time (the block size is the checkpoint's, not a param here).
     sub_block_size: Count | None = None
     naive_block_size: Count = 32  # block size of dgr2-naive when no diffusion checkpoint says otherwise
+    # The `spec-<drafter>` row: GR2 verifies the drafts of the first of these diffusion models that
+    # exists (drafting with bench.spec_draft_len and bench.spec_steps), on the diffusion rows' examples.
+    spec_row: bool = True
+    spec_drafter: list[str] = ["dgr2"]
     bench: BenchParams = BenchParams()
 
 
@@ -162,10 +178,10 @@ def add_intervals(
 ) -> None:
     """Add `<metric>_ci95` ([lo, hi], bootstrap over examples) for every model and
     split, paired `<metric>_vs_prerank` for every model but prerank, and
-    `<metric>_vs_gr2` for the diffusion models ({"diff": d, "ci95": [lo, hi]}),
+    `<metric>_vs_gr2` for the diffusion and speculative models ({"diff": d, "ci95": [lo, hi]}),
     for each metric of CI_METRICS. Every model of a split was scored on the same
     examples in the same order, which is what pairing needs."""
-    diffusion = {NAIVE, *DIFFUSION_MODELS}
+    diffusion = {NAIVE, *DIFFUSION_MODELS, *(m for m in ranks if m.startswith(SPEC_PREFIX))}
     for model, by_split in ranks.items():
         for split, r in by_split.items():
             m = results[model][split]
@@ -204,15 +220,61 @@ def ablation_table(results: dict[str, dict[str, dict[str, Any]]], split: str) ->
 
 
 def _decode_eval(
-    name: str, model: Any, tok: Any, df: pl.DataFrame, items: ItemText, fmt: Any, cfg: EvaluateConfig
-) -> tuple[dict[str, float], np.ndarray]:
-    """Decode one split with the model's decoder (AR or threshold diffusion); its metrics and per-example ranks."""
-    kwargs = decoder_kwargs(model, cfg.tau, sub_block_size=cfg.sub_block_size)
+    name: str, model: Any, tok: Any, df: pl.DataFrame, items: ItemText, fmt: Any, cfg: EvaluateConfig,
+    kwargs: dict[str, Any] | None = None,
+) -> tuple[dict[str, float], np.ndarray, LMRerankResult]:
+    """Decode one split with the model's decoder (AR or threshold diffusion; `kwargs` for another,
+    e.g. `speculative_kwargs`); its metrics, per-example ranks and the decode itself."""
+    kwargs = decoder_kwargs(model, cfg.tau, sub_block_size=cfg.sub_block_size) if kwargs is None else kwargs
     out = lm_rerank(model, tok, df, items, fmt, batch_size=cfg.batch_size, max_new_tokens=cfg.max_new_tokens, desc=name, **kwargs)
     m, ranks = scored(out.parsed, df["target"].to_list())
     m["tokens_per_s"] = out.generated_tokens / max(out.seconds, 1e-9)
     m["response_tokens"] = out.generated_tokens / max(len(out.parsed), 1)
+    return m, ranks, out
+
+
+def pick_spec_drafter(names: Sequence[str], available: Iterable[str]) -> str | None:
+    """The spec row's drafter: the first of `names` among the `available` diffusion models (None: none is)."""
+    have = set(available)
+    return next((n for n in names if n in have), None)
+
+
+def spec_eval(
+    name: str, gr2: Any, drafter: Any, tok: Any, df: pl.DataFrame, items: ItemText, fmt: Any, cfg: EvaluateConfig,
+    reference: Sequence[Sequence[int]],
+) -> tuple[dict[str, float], np.ndarray]:
+    """The speculative row on one split: GR2 verifies `drafter`'s drafts (greedy, `cfg.bench.spec_draft_len`
+    tokens per round in `cfg.bench.spec_steps` forwards); its metrics and per-example ranks.
+
+    The metrics add `equal_to_gr2_rate` (the share of examples whose tokens equal
+    `reference`, GR2's greedy tokens on the same examples in the same order),
+    `mean_accepted_length`, `ar_forwards_per_token`, `draft_forwards_per_token`
+    (`gr2model.bench.speculative_stats`), `draft_len` and `draft_steps`.
+    """
+    kwargs = speculative_kwargs(drafter, cfg.bench.spec_steps, cfg.bench.spec_draft_len)
+    m, ranks, out = _decode_eval(name, gr2, tok, df, items, fmt, cfg, kwargs)
+    m["equal_to_gr2_rate"] = equal_share(out.sequences, reference)
+    m.update(speculative_stats(out, cfg.batch_size), draft_len=cfg.bench.spec_draft_len, draft_steps=cfg.bench.spec_steps)
     return m, ranks
+
+
+def spec_report(results: dict[str, dict[str, dict[str, Any]]], splits: Sequence[str]) -> str:
+    """The check of each speculative row: its answers against GR2's, and what drafting bought (markdown, "" when none)."""
+    lines = []
+    for model in (m for m in results if m.startswith(SPEC_PREFIX)):
+        for split in splits:
+            m = results[model].get(split)
+            if m is None:
+                continue
+            lines.append(
+                f"- {model} ({split}, {int(m['n'])} examples): tokens equal to GR2's greedy answers on "
+                f"{m['equal_to_gr2_rate']:.4f} of them; {m['mean_accepted_length']:.2f} draft tokens accepted per "
+                f"verification (draft length {m['draft_len']}, {m['draft_steps']} drafter steps); per token "
+                f"{m['ar_forwards_per_token']:.3f} GR2 and {m['draft_forwards_per_token']:.3f} drafter forwards"
+            )
+    if not lines:
+        return ""
+    return "## Speculative decoding (GR2 verifies a diffusion model's drafts; greedy)\n\n" + "\n".join(lines)
 
 
 def speed_metric_key(row: dict[str, Any]) -> str:
@@ -235,11 +297,21 @@ def run_bench(cfg: EvaluateConfig, root: Path, log: logging.Logger, models: dict
     gr2, tok = load_hf_checkpoint(root / GR2)
     models = models if models is not None else diffusion_models(root, cfg.naive_block_size)
     racers = {name: models[name][0] for name in cfg.bench.models if name in models}
-    log.info("decode benchmark: %d test examples, AR (ours, HF) vs %s at tau %s, batch sizes %s", lists.height, list(racers), cfg.bench.taus, cfg.bench.batch_sizes)
-    on_row = lambda r: log.info("bench %s %s tau=%s sub-block %s b%d: %.0f tok/s, %.2fx, %.3f NFE/token, R@1 %.4f, valid %.3f", r["decoder"], r["model"], r["tau"], r.get("sub_block_size"), r["batch_size"], r["tokens_per_s"], r["speedup"], r["nfe_per_token"], r["recall@1"], r["valid_format_rate"])  # noqa: E731
+    drafters = {name: models[name][0] for name in cfg.bench.spec_models if name in models}
+    log.info(
+        "decode benchmark: %d test examples, AR (ours, HF) vs %s at tau %s, GR2 verifying the drafts of %s (k=%d, %d steps), batch sizes %s",
+        lists.height, list(racers), cfg.bench.taus, list(drafters), cfg.bench.spec_draft_len, cfg.bench.spec_steps, cfg.bench.batch_sizes,
+    )  # fmt: skip
+
+    def on_row(r: dict[str, Any]) -> None:
+        log.info("bench %s %s tau=%s sub-block %s b%d: %.0f tok/s, %.2fx, %.3f NFE/token, R@1 %.4f, valid %.3f", r["decoder"], r["model"], r["tau"], r.get("sub_block_size"), r["batch_size"], r["tokens_per_s"], r["speedup"], r["nfe_per_token"], r["recall@1"], r["valid_format_rate"])
+        if r["decoder"] == "spec":
+            log.info("bench spec %s b%d: %.2f accepted per verification, %.3f GR2 + %.3f drafter forwards per token, equal to GR2 on %.3f", r["model"], r["batch_size"], r["mean_accepted_length"], r["ar_forwards_per_token"], r["draft_forwards_per_token"], r["equal_to_gr2"])
+
     rows = decode_benchmark(
         gr2, racers, tok, lists, items, fmt, taus=cfg.bench.taus, batch_sizes=cfg.bench.batch_sizes,
         max_new_tokens=cfg.max_new_tokens, on_row=on_row, sub_block_sizes=tuple(cfg.bench.sub_block_sizes),
+        drafters=drafters, draft_len=cfg.bench.spec_draft_len, draft_steps=cfg.bench.spec_steps,
     )  # fmt: skip
     device = "cpu" if not torch.cuda.is_available() else torch.cuda.get_device_name(0)
     write_json_atomic({"device": device, "threads": torch.get_num_threads(), "examples": lists.height, "fields": list(SPEED_FIELDS), "rows": rows}, root / SPEED)
@@ -274,11 +346,15 @@ def run(cfg: EvaluateConfig, root: Path, log: logging.Logger, tracker: StageTrac
         for baseline, rankings in baselines.items():
             results[baseline][name], ranks[baseline][name] = scored(fixed_rankings(rankings, incoming), targets)
 
+    gr2_tokens: dict[str, list[list[int]]] = {}  # split -> the gr2 row's tokens, the spec row's reference
+
     def evaluate_model(model_name: str, model: Any, tok: Any, on: dict[str, pl.DataFrame]) -> None:
         results[model_name], ranks[model_name] = {}, {}
         for name, df in on.items():
             with timed(log, f"{model_name} on {name} ({df.height} examples)", timings, f"{model_name}_{name}_s"):
-                results[model_name][name], ranks[model_name][name] = _decode_eval(model_name, model, tok, df, items, fmt, cfg)
+                results[model_name][name], ranks[model_name][name], out = _decode_eval(model_name, model, tok, df, items, fmt, cfg)
+            if model_name == "gr2":
+                gr2_tokens[name] = out.sequences
             m = results[model_name][name]
             log.info("%s %s: %s", model_name, name, {k: round(v, 4) for k, v in m.items()})
 
@@ -293,6 +369,23 @@ def run(cfg: EvaluateConfig, root: Path, log: logging.Logger, tracker: StageTrac
     diffusion_lists = {n: df.head(cfg.diffusion_max_examples) for n, df in lists.items()} if cfg.diffusion_max_examples else lists
     for model_name, (model, tok) in models.items():
         evaluate_model(model_name, model, tok, diffusion_lists)
+    if cfg.spec_row:
+        drafter = pick_spec_drafter(cfg.spec_drafter, models)
+        if drafter is None or not gr2_tokens:
+            log.info("spec row skipped: %s", "no gr2 row" if not gr2_tokens else f"no checkpoint of any drafter in evaluate.spec_drafter {cfg.spec_drafter}")
+        else:
+            gr2, gr2_tok = load_hf_checkpoint(root / GR2)
+            spec_name = SPEC_PREFIX + drafter
+            results[spec_name], ranks[spec_name] = {}, {}
+            for name, df in diffusion_lists.items():
+                what = f"{spec_name} on {name} ({df.height} examples, GR2 verifying {drafter}'s drafts)"
+                with timed(log, what, timings, f"{spec_name}_{name}_s"):
+                    results[spec_name][name], ranks[spec_name][name] = spec_eval(
+                        spec_name, gr2, models[drafter][0], gr2_tok, df, items, fmt, cfg, gr2_tokens[name][: df.height]
+                    )
+                m = results[spec_name][name]
+                log.info("%s %s: %s", spec_name, name, {k: round(v, 4) for k, v in m.items()})
+            del gr2
 
     with timed(log, f"bootstrap intervals ({cfg.bootstrap} resamples, paired differences)", timings, "bootstrap_s"):
         add_intervals(results, ranks, n_boot=cfg.bootstrap, seed=cfg.seed)
@@ -301,7 +394,8 @@ def run(cfg: EvaluateConfig, root: Path, log: logging.Logger, tracker: StageTrac
         f"## Ablation ({s}, diffusion at tau {cfg.tau}; intervals: {cfg.bootstrap} bootstrap resamples, paired)\n\n{ablation_table(results, s)}"
         for s in cfg.splits
     )
-    write_text_atomic(f"# Re-ranking evaluation\n\n{ablation}\n\n{report}\n", root / REPORT)
+    sections = [ablation, spec_report(results, cfg.splits), report]
+    write_text_atomic("# Re-ranking evaluation\n\n" + "\n\n".join(part for part in sections if part) + "\n", root / REPORT)
     tracker.log_artifact(root / REPORT)
     if models:
         with timed(log, "decode-speed benchmark", timings, "bench_s"):

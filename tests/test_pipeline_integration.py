@@ -79,10 +79,23 @@ def test_dvc_outputs_and_metrics(smoke_run: dict[str, Any]) -> None:
             assert set(m) >= {"recall@1", "recall@3", "recall@5", "ndcg@3", "ndcg@5", "valid_format_rate", "valid_permutation_rate", "copy_incoming_rate", "n"}
             assert m["n"] > 0
     assert evaluation["prerank"]["test"]["copy_incoming_rate"] == 1.0
+    # The speculative row: GR2 verifying dgr2's drafts, on the same examples as the gr2 row. Its tokens
+    # must equal GR2's; a tiny smoke model may have floating-point near-ties, hence a majority here (the
+    # exact check is tests/test_speculative_wiring.py on tiny random models, and the default run).
+    for split in ("valid", "test"):
+        spec = evaluation["spec-dgr2"][split]
+        assert spec["n"] == evaluation["gr2"][split]["n"] and spec["equal_to_gr2_rate"] > 0.5
+        assert spec["draft_len"] == 4 and "recall@1_vs_gr2" in spec
+    assert "## Speculative decoding" in (ws / "reports/evaluate.md").read_text()
     speed = json.loads((ws / "metrics/speed.json").read_text())
     # smoke bench: batch sizes 1 and 4; AR (ours, HF) + dgr2-cft and dgr2 at two thresholds each,
-    # whole blocks and sub-blocks of 8
-    assert len(speed["rows"]) == 2 * (2 + 2 * 2 * 2)
+    # whole blocks and sub-blocks of 8 + GR2 verifying the drafts of dgr2-opd and dgr2
+    assert len(speed["rows"]) == 2 * (2 + 2 * 2 * 2 + 2)
+    spec_rows = [r for r in speed["rows"] if r["decoder"] == "spec"]
+    assert sorted((r["model"], r["batch_size"]) for r in spec_rows) == [("dgr2", 1), ("dgr2", 4), ("dgr2-opd", 1), ("dgr2-opd", 4)]
+    for r in spec_rows:
+        assert r["equal_to_gr2"] > 0.5 and r["draft_len"] == 4 and r["mean_accepted_length"] >= 0
+        assert abs(r["ar_forwards_per_token"] + r["draft_forwards_per_token"] - r["nfe_per_token"]) < 1e-9
     assert sorted({r["sub_block_size"] for r in speed["rows"] if r["decoder"] == "diffusion"}, key=str) == [8, None]
     assert {r["model"] for r in speed["rows"] if r["decoder"] == "diffusion"} == {"dgr2-cft", "dgr2"}
     for row in speed["rows"]:

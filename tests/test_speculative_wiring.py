@@ -59,3 +59,42 @@ def test_benchmark_spec_rows(setup) -> None:
     assert "equal_to_gr2" not in speed_table([r for r in rows if r["decoder"] != "spec"])
     with pytest.raises(ValueError):
         decode_benchmark(ar, {}, tok, lists, toy_items(), FMT, taus=[0.9], batch_sizes=[1], max_new_tokens=4, drafters={"d": dgr2}, draft_len=0)
+
+
+def test_evaluate_spec_row_equals_gr2(setup) -> None:
+    from tasks.evaluate import EvaluateConfig, SPEC_PREFIX, _decode_eval, add_intervals, spec_eval, spec_report
+
+    tok, ar, dgr2, other, lists = setup
+    cfg = EvaluateConfig(batch_size=3, max_new_tokens=12, bench={"spec_draft_len": 3, "spec_steps": 2})
+    items = toy_items()
+    gr2_m, gr2_ranks, gr2_out = _decode_eval("gr2", ar, tok, lists, items, FMT, cfg)
+    results, ranks = {"gr2": {"test": gr2_m}}, {"gr2": {"test": gr2_ranks}}
+    for drafter_name, drafter in (("dgr2", dgr2), ("bad", other)):
+        # On the first 3 examples, as the diffusion rows with diffusion_max_examples.
+        name = SPEC_PREFIX + drafter_name
+        m, r = spec_eval(name, ar, drafter, tok, lists.head(3), items, FMT, cfg, gr2_out.sequences[:3])
+        assert m["equal_to_gr2_rate"] == 1.0 and m["n"] == 3
+        assert (m["draft_len"], m["draft_steps"]) == (3, 2) and 0.0 <= m["mean_accepted_length"] <= 3
+        assert m["ar_forwards_per_token"] > 0 and m["draft_forwards_per_token"] > 0
+        assert (r == gr2_ranks[:3]).all()
+        results[name], ranks[name] = {"test": m}, {"test": r}
+    # A different reference is caught.
+    wrong = [s[:-1] for s in gr2_out.sequences[:3]]
+    assert spec_eval("x", ar, dgr2, tok, lists.head(3), items, FMT, cfg, wrong)[0]["equal_to_gr2_rate"] == 0.0
+    # Paired against gr2 like the diffusion rows: identical answers, a zero difference.
+    ranks["prerank"] = {"test": gr2_ranks * 0}
+    results["prerank"] = {"test": {}}
+    add_intervals(results, ranks, n_boot=50, seed=0)
+    assert results["spec-dgr2"]["test"]["recall@1_vs_gr2"] == {"diff": 0.0, "ci95": [0.0, 0.0]}
+    text = spec_report(results, ["valid", "test"])
+    assert "spec-dgr2 (test, 3 examples): tokens equal to GR2's greedy answers on 1.0000" in text and "spec-bad" in text
+    assert spec_report({"gr2": results["gr2"]}, ["test"]) == ""
+
+
+def test_spec_drafter_is_the_first_that_exists() -> None:
+    from tasks.evaluate import EvaluateConfig, pick_spec_drafter
+
+    available = {"dgr2-naive": 0, "dgr2-cft": 0, "dgr2-opd": 0}
+    assert pick_spec_drafter(EvaluateConfig().spec_drafter, available) is None  # default [dgr2]: not trained yet
+    assert pick_spec_drafter(["dgr2", "dgr2-opd", "dgr2-cft"], available) == "dgr2-opd"
+    assert pick_spec_drafter([], available) is None
