@@ -98,3 +98,70 @@ def test_spec_drafter_is_the_first_that_exists() -> None:
     assert pick_spec_drafter(EvaluateConfig().spec_drafter, available) is None  # default [dgr2]: not trained yet
     assert pick_spec_drafter(["dgr2", "dgr2-opd", "dgr2-cft"], available) == "dgr2-opd"
     assert pick_spec_drafter([], available) is None
+
+
+class _Tracker:
+    def log_artifact(self, path) -> None: ...
+
+    def log_metrics(self, metrics, step=None) -> None: ...
+
+
+def _fake_workspace(monkeypatch, tmp_path, setup, drafters: dict):
+    """tasks.evaluate.run on toy models: its loaders replaced, the checkpoints' folders present."""
+    import types
+
+    import numpy as np
+
+    import tasks.evaluate as ev
+    from tiny import items_table
+
+    tok, ar, dgr2, other, lists = setup
+    lists = lists.with_columns(target_rank=pl.lit(0), cand_scores=pl.col("candidates").list.eval(pl.element() * 0.0))
+    teacher = types.SimpleNamespace(score=lambda hist, cands, scores: np.zeros(len(cands)))
+    monkeypatch.setattr(ev, "load_prepared", lambda path: (types.SimpleNamespace(items=items_table(), num_items=4), {"train": pl.Series([[1, 2]])}))
+    monkeypatch.setattr(ev, "load_teacher", lambda *a, **k: teacher)
+    monkeypatch.setattr(ev, "load_format", lambda root: FMT)
+    monkeypatch.setattr(ev, "load_lists", lambda root, split: lists)
+    monkeypatch.setattr(ev, "load_hf_checkpoint", lambda path: (ar, tok))
+    monkeypatch.setattr(ev, "diffusion_models", lambda root, block_size: {ev.NAIVE: (dgr2, tok), **drafters})
+    for ckpt in ("gr2", "dgr2"):
+        (tmp_path / "checkpoints" / ckpt).mkdir(parents=True)
+    return ev
+
+
+def test_evaluate_run_writes_the_spec_row_and_rows(monkeypatch, tmp_path, setup, caplog) -> None:
+    import json
+    import logging
+
+    tok, ar, dgr2, other, lists = setup
+    ev = _fake_workspace(monkeypatch, tmp_path, setup, {"dgr2": (dgr2, tok)})
+    bench = {"taus": [0.9], "batch_sizes": [2], "examples": 2, "models": [], "spec_models": ["dgr2", "dgr2-opd"], "spec_draft_len": 3}
+    cfg = ev.EvaluateConfig(splits=["test"], batch_size=2, max_new_tokens=8, diffusion_max_examples=3, bootstrap=20, bench=bench)
+    log = logging.getLogger("test.evaluate")
+    with caplog.at_level(logging.INFO, logger="test.evaluate"):
+        results = ev.run(cfg, tmp_path, log, _Tracker())
+    spec = results["spec-dgr2"]["test"]
+    assert spec["equal_to_gr2_rate"] == 1.0 and spec["n"] == 3 and spec["draft_len"] == 3
+    assert spec["recall@1_vs_gr2"] == {"diff": 0.0, "ci95": [0.0, 0.0]}
+    assert any("spec-dgr2 on test (3 examples" in r.message and "done in" in r.message for r in caplog.records)
+    assert "## Speculative decoding" in (tmp_path / "reports/evaluate.md").read_text()
+    speed = json.loads((tmp_path / "metrics/speed.json").read_text())
+    assert [(r["decoder"], r["model"]) for r in speed["rows"]] == [("ar", "gr2"), ("hf", "gr2"), ("spec", "dgr2")]
+    assert speed["rows"][2]["equal_to_gr2"] == 1.0 and "equal_to_gr2" in speed["fields"]
+    assert "| equal_to_gr2 |" in (tmp_path / "reports/speed.md").read_text()
+
+
+def test_evaluate_run_skips_the_spec_row(monkeypatch, tmp_path, setup, caplog) -> None:
+    import logging
+
+    ev = _fake_workspace(monkeypatch, tmp_path, setup, {})  # no dgr2 checkpoint
+    bench = {"taus": [0.9], "batch_sizes": [2], "examples": 2, "models": [], "spec_models": []}
+    log = logging.getLogger("test.evaluate")
+    for spec_row in (True, False):
+        cfg = ev.EvaluateConfig(splits=["test"], batch_size=2, max_new_tokens=4, bootstrap=20, spec_row=spec_row, bench=bench)
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="test.evaluate"):
+            results = ev.run(cfg, tmp_path, log, _Tracker())
+        assert not any(m.startswith("spec-") for m in results)
+        skipped = [r.message for r in caplog.records if r.message.startswith("spec row skipped")]
+        assert skipped == (["spec row skipped: no checkpoint of any drafter in evaluate.spec_drafter ['dgr2']"] if spec_row else [])
