@@ -5,7 +5,7 @@
     gr2 workspace DEST --profile P    a self-contained copy of the project with a params profile
     gr2 data download                 fetch the public raw Amazon review files
     gr2 promote MODEL [--version N]   move `champion` to a version through the gates in params.yaml
-    gr2 bench decode                  AR GR2 vs the diffusion re-rankers: decode speed -> metrics/speed.json
+    gr2 bench decode                  AR GR2 vs diffusion and speculative decoding: speed -> metrics/speed.json
     gr2 bench serve [MODEL@ALIAS]     bounded load test of the served champion on loopback (latency, no 5xx)
     gr2 schedule serve                scheduled retraining: a local Prefect server + the gr2-retrain deployment
     gr2 schedule run                  one retraining now (refresh data, rerun what changed, push, promote)
@@ -321,7 +321,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
-    bd = bench_sub.add_parser("decode", help="decode speed of GR2 (best AR decoder) vs the diffusion re-rankers, in one run")
+    bd = bench_sub.add_parser("decode", help="decode speed of GR2 (best AR decoder) vs the diffusion re-rankers and speculative decoding (diffusion drafts, GR2 verifies), in one run")
     bd.add_argument("--tau", type=float, action="append", help="commit threshold (repeatable; default: params evaluate.bench.taus)")
     bd.add_argument("--batch-size", type=int, action="append", help="batch size (repeatable; default: params)")
     bd.add_argument("--examples", type=int, default=None, help="first N test re-ranking examples (default: params)")
