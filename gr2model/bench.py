@@ -18,8 +18,8 @@ Rows (one per decoder, model, threshold, sub-block size and batch size):
     tokens_per_s: generated tokens (eos included) per second of decoding
     speedup: tokens_per_s / the best AR tokens_per_s at this batch size
     nfe_per_token: model forwards per generated token of one row, i.e.
-        nfe * batch_size / generated tokens (1.0 for AR at any batch size;
-        a batch forward serves every row of the batch)
+        the sum over batches of nfe * rows / generated tokens (1.0 for AR at
+        any batch size; a batch forward serves every row of the batch)
     tokens_per_forward: 1 / nfe_per_token
     response_tokens: mean generated tokens per example
     recall@1, ndcg@3, valid_format_rate, valid_permutation_rate
@@ -72,23 +72,34 @@ def equal_share(sequences: Sequence[Sequence[int]], reference: Sequence[Sequence
     return sum(list(a) == list(b) for a, b in zip(sequences, reference)) / max(len(sequences), 1)
 
 
-def speculative_stats(out: LMRerankResult, batch_size: int) -> dict[str, float]:
+def _row_forwards(out: LMRerankResult, attr: str = "nfe", batch_size: int = 1) -> int:
+    """Forwards as one row sees them: each batch's forwards (`attr` of its output) times its rows, summed.
+
+    A batch forward serves every row of the batch, so this over the generated
+    tokens is forwards per token of one row. Without per-batch outputs:
+    out.nfe * batch_size (every batch full).
+    """
+    if not out.outputs:
+        return getattr(out, attr) * batch_size
+    return sum(getattr(o, attr) * len(o.sequences) for o in out.outputs)
+
+
+def speculative_stats(out: LMRerankResult) -> dict[str, float]:
     """The counts of a speculative `lm_rerank` (every batch a `SpeculativeDecodeOutput`), over all its batches.
 
     mean_accepted_length: accepted draft tokens per row verification;
     ar_forwards_per_token, draft_forwards_per_token: forwards of each model
-    * batch_size / generated tokens, the convention of the rows' nfe_per_token
-    (so the two add up to it).
+    per generated token of one row, as the rows' nfe_per_token (their sum).
     """
     spec = [o for o in out.outputs if isinstance(o, SpeculativeDecodeOutput)]
-    if len(spec) != len(out.outputs):
+    if not spec or len(spec) != len(out.outputs):
         raise ValueError("speculative_stats needs the outputs of a speculative decode")
     tokens = max(out.generated_tokens, 1)
     verifications = sum(o.row_verifications for o in spec)
     return {
         "mean_accepted_length": sum(o.accepted_tokens for o in spec) / verifications if verifications else 0.0,
-        "ar_forwards_per_token": sum(o.ar_nfe for o in spec) * batch_size / tokens,
-        "draft_forwards_per_token": sum(o.draft_nfe for o in spec) * batch_size / tokens,
+        "ar_forwards_per_token": _row_forwards(out, "ar_nfe") / tokens,
+        "draft_forwards_per_token": _row_forwards(out, "draft_nfe") / tokens,
     }
 
 
@@ -108,8 +119,8 @@ def _row(
         "seconds": out.seconds,
         "tokens_per_s": out.generated_tokens / max(out.seconds, 1e-9),
         "speedup": float("nan"),  # filled once the best AR decoder of this batch size is known
-        "nfe_per_token": out.nfe * batch_size / tokens,
-        "tokens_per_forward": tokens / max(out.nfe * batch_size, 1),
+        "nfe_per_token": _row_forwards(out, batch_size=batch_size) / tokens,
+        "tokens_per_forward": tokens / max(_row_forwards(out, batch_size=batch_size), 1),
         "response_tokens": out.generated_tokens / max(len(out.parsed), 1),
         "recall@1": m["recall@1"],
         "ndcg@3": m["ndcg@3"],
@@ -210,7 +221,7 @@ def decode_benchmark(
             row = _row("spec", name, None, bs, out, targets)
             row.update(
                 speedup=row["tokens_per_s"] / best_ar, draft_len=draft_len, draft_steps=draft_steps,
-                equal_to_gr2=equal_share(out.sequences, ar_sequences), **speculative_stats(out, bs),
+                equal_to_gr2=equal_share(out.sequences, ar_sequences), **speculative_stats(out),
             )  # fmt: skip
             batch_rows.append(row)
             if on_row:

@@ -254,7 +254,7 @@ def spec_eval(
     kwargs = speculative_kwargs(drafter, cfg.bench.spec_steps, cfg.bench.spec_draft_len)
     m, ranks, out = _decode_eval(name, gr2, tok, df, items, fmt, cfg, kwargs)
     m["equal_to_gr2_rate"] = equal_share(out.sequences, reference)
-    m.update(speculative_stats(out, cfg.batch_size), draft_len=cfg.bench.spec_draft_len, draft_steps=cfg.bench.spec_steps)
+    m.update(speculative_stats(out), draft_len=cfg.bench.spec_draft_len, draft_steps=cfg.bench.spec_steps)
     return m, ranks
 
 

@@ -59,6 +59,13 @@ def test_benchmark_spec_rows(setup) -> None:
     assert "equal_to_gr2" not in speed_table([r for r in rows if r["decoder"] != "spec"])
     with pytest.raises(ValueError):
         decode_benchmark(ar, {}, tok, lists, toy_items(), FMT, taus=[0.9], batch_sizes=[1], max_new_tokens=4, drafters={"d": dgr2}, draft_len=0)
+    # A partial last batch (4 examples in batches of 3): forwards count the rows each batch really had.
+    (r3,) = [r for r in decode_benchmark(
+        ar, {}, tok, lists, toy_items(), FMT, taus=[0.9], batch_sizes=[3], max_new_tokens=12, drafters={"d": dgr2}, draft_len=3,
+    ) if r["decoder"] == "spec"]  # fmt: skip
+    assert r3["equal_to_gr2"] == 1.0
+    assert r3["ar_forwards_per_token"] + r3["draft_forwards_per_token"] == pytest.approx(r3["nfe_per_token"])
+    assert r3["ar_forwards_per_token"] < spec[("d", 1)]["ar_forwards_per_token"] * 1.5  # not inflated by the empty rows
 
 
 def test_evaluate_spec_row_equals_gr2(setup) -> None:
