@@ -18,7 +18,10 @@ bootstrap intervals, and how often the student keeps the incoming first item.
 Answer-only training isolates the decision from the explanation;
 `--responses traces` trains the traces as the `traces` stage wrote them (what
 `sft` trains on), `--init checkpoints/gr2-base` starts where `sft` starts, and
-`--answer-weight` sets the answer tokens' loss weight (sft.train.answer_weight).
+`--answer-weight` sets the answer tokens' loss weight (sft.train.answer_weight),
+and `--extra-lists N` adds N training lists whose target is not among the
+candidates, labelled with the teacher's choice (what traces.unlabelled_lists
+adds to `sft`'s data).
 
     python experiments/decision_probe.py --root WORKSPACE --labels distill --epochs 2
 
