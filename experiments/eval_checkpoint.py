@@ -8,7 +8,9 @@ running the diffusion stages that `evaluate` waits for.
 
     python experiments/eval_checkpoint.py --root WORKSPACE checkpoints/gr2-sft checkpoints/gr2
 
-Prints one JSON line per checkpoint and split.
+Prints one JSON line per checkpoint and split, then, when several checkpoints
+are given, one line per later checkpoint and split with its paired differences
+to the first (`<metric>_vs_first`: R@1 and NDCG@3, same resamples).
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ from gr2model.checkpoint import load_hf_checkpoint
 from gr2model.data import load_prepared
 from gr2model.rerank_eval import fixed_rankings, lm_rerank, rerank_examples
 from gr2model.rerank_format import ItemText
-from tasks.evaluate import add_intervals, scored
+from gr2model.metrics import bootstrap_ci, per_example_gain
+from tasks.evaluate import CI_METRICS, add_intervals, scored
 from tasks.traces import load_format, load_lists
 
 
@@ -42,6 +45,7 @@ def main() -> None:
     lists = {split: rerank_examples(load_lists(a.root, split)) for split in a.splits.split(",")}
     # The incoming order, scored as evaluate scores its prerank row: the reference of the paired differences.
     prerank = {s: scored(fixed_rankings(df["candidates"].to_list(), df["candidates"].to_list()), df["target"].to_list()) for s, df in lists.items()}
+    first: dict[str, np.ndarray] = {}  # the first checkpoint's per-example target ranks, per split
     for ckpt in a.checkpoints:
         model, tok = load_hf_checkpoint(a.root / ckpt)
         model.eval()
@@ -56,6 +60,16 @@ def main() -> None:
         add_intervals(results, ranks, n_boot=2000, seed=0)  # evaluate's intervals: paired differences to prerank
         for split in lists:
             print(json.dumps({"checkpoint": ckpt, "split": split, **results[ckpt][split], "seconds": seconds[split]}), flush=True)
+        if not first:
+            first = ranks[ckpt]
+            continue
+        for split in lists:  # paired on the same examples in the same order, as evaluate's `_vs_` intervals
+            vs = {}
+            for metric in CI_METRICS:
+                gain, base = per_example_gain(ranks[ckpt][split], metric), per_example_gain(first[split], metric)
+                lo, hi = bootstrap_ci(gain, baseline=base, n_boot=2000, seed=0)
+                vs[f"{metric}_vs_first"] = {"diff": float(gain.mean() - base.mean()), "ci95": [lo, hi]}
+            print(json.dumps({"checkpoint": ckpt, "first": a.checkpoints[0], "split": split, **vs}), flush=True)
 
 
 if __name__ == "__main__":
