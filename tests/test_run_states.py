@@ -23,6 +23,21 @@ import pytest
 from tasks.tracking import owner_tags, owners_alive, process_alive, process_start
 
 
+@pytest.fixture
+def own_store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+    """A file MLflow store in tmp_path for this test only. A process-wide tracking URI
+    (set once anything in this session called `mlflow.set_tracking_uri`) wins over the
+    environment, so that global is swapped too and restored as it was, unset included;
+    else these runs land in the smoke workspace's store and skew its run counts."""
+    from mlflow.tracking._tracking_service import utils
+
+    uri = (tmp_path / "mlruns").as_uri()
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # the fast file store; the code path is the same
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.setattr(utils, "_tracking_uri", uri)
+    return uri
+
+
 def _dead_pid() -> int:
     """The pid of a process that has exited and been reaped."""
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
@@ -57,13 +72,13 @@ def test_owner_tags_name_this_process_and_host(tmp_path: Path) -> None:
     assert owners_alive({"gr2.host": tags["gr2.host"]}) is None
 
 
-def test_stale_running_runs_are_killed_and_live_ones_left(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+def test_stale_running_runs_are_killed_and_live_ones_left(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, own_store: str
+) -> None:
     from mlflow import MlflowClient
 
     from tasks.tracking import close_stale_runs, experiment_id
 
-    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # the fast file store; the code path is the same
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", (tmp_path / "mlruns").as_uri())
     monkeypatch.setenv("GR2_ROOT", str(tmp_path))
     client = MlflowClient()
     exp = experiment_id(tmp_path)
@@ -184,7 +199,7 @@ def test_temporary_api_dies_with_a_sigkilled_parent(tmp_path: Path) -> None:
 
 
 @pytest.mark.integration
-def test_flow_run_of_a_killed_pipeline_is_marked_crashed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, prefect_harness) -> None:
+def test_flow_run_of_a_killed_pipeline_is_marked_crashed(tmp_path: Path, prefect_harness, own_store: str) -> None:
     from mlflow import MlflowClient
     from prefect import flow
     from prefect.client.orchestration import get_client
@@ -197,8 +212,6 @@ def test_flow_run_of_a_killed_pipeline_is_marked_crashed(tmp_path: Path, monkeyp
     def stand_in() -> None:
         pass
 
-    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", (tmp_path / "mlruns").as_uri())
     with get_client(sync_client=True) as prefect:
         fr = prefect.create_flow_run(stand_in, state=Running())
         done = prefect.create_flow_run(stand_in, state=Running())
