@@ -19,7 +19,6 @@ import math
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -33,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from flows.registry import ServeLimits
+from flows.schedule import free_port
 
 STARTUP_TIMEOUT_S = 180  # a smoke model loads in ~15 s on a loaded 2-core machine
 
@@ -179,13 +179,6 @@ def run_load(base_url: str, requests: list[Request], concurrency: int, timeout_s
         failures=failures,
         alive_after=alive,
     )
-
-
-def free_port() -> int:
-    """A TCP port free on the loopback interface now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def stop(proc: subprocess.Popen) -> None:

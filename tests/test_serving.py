@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,13 +22,10 @@ from typing import Any
 
 import pytest
 
+from flows.bench_serve import stop
+from flows.schedule import free_port
+
 STARTUP_TIMEOUT_S = 120  # measured ~15 s on a loaded 2-core machine
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _post(url: str, body: bytes | str | dict[str, Any], content_type: str = "application/json") -> tuple[int, Any]:
@@ -45,17 +40,6 @@ def _post(url: str, body: bytes | str | dict[str, Any], content_type: str = "app
         return status, json.loads(text)
     except json.JSONDecodeError:
         return status, text
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    """Stop the server and its uvicorn worker: they share the process group we started it in."""
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=10)
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +58,7 @@ def served(smoke_run: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) 
     decision = promote(name, None, ws, PromoteConfig(models={name: relaxed}), client=client)
     assert decision.status in ("promoted", "already-champion"), decision.summary()
 
-    port = _free_port()
+    port = free_port()
     bin_dir = Path(sys.executable).parent
     env = {
         **os.environ,
@@ -115,7 +99,7 @@ def served(smoke_run: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) 
             "proc": proc,
         }
     finally:
-        _stop(proc)
+        stop(proc)  # the server and its uvicorn worker share the process group it was started in
     assert proc.poll() is not None
 
 
