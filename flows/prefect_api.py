@@ -107,6 +107,18 @@ def _watch(server_pid: int) -> subprocess.Popen:
     )  # fmt: skip
 
 
+def _drain_api_logs(logger: logging.Logger) -> None:
+    """Send the flow's queued log records now, while the server still listens: left to
+    Prefect's exit hook they go out after `server.stop()` and end the command with
+    "Error logging to API: All connection attempts failed"."""
+    from prefect.logging.handlers import APILogWorker
+
+    try:
+        APILogWorker.drain_all(timeout=5)
+    except Exception as exc:  # best effort: a lost log line must not fail the run
+        logger.debug("Prefect API logs not drained: %s", exc)
+
+
 @contextmanager
 def temporary_api(root: Path, logger: logging.Logger | None = None) -> Iterator[str | None]:
     """Prefect's temporary API for the body, guarded so it dies with this process; yields its URL.
@@ -144,6 +156,7 @@ def temporary_api(root: Path, logger: logging.Logger | None = None) -> Iterator[
     try:
         yield server.api_url
     finally:
+        _drain_api_logs(logger)
         server.stop()
         watchdog.terminate()
         watchdog.wait(timeout=10)
