@@ -2,6 +2,7 @@
 
     gr2 run [--stage S] [--force]     run the pipeline flow (Prefect) over the DVC stages
     gr2 stages                        the stages in DVC's order, and which are out of date
+    gr2 report                        reports/index.html: tables and figures from the metrics and MLflow, offline
     gr2 workspace DEST --profile P    a self-contained copy of the project with a params profile
     gr2 data download                 fetch the public raw Amazon review files
     gr2 promote MODEL [--version N]   move `champion` to a version through the gates in params.yaml
@@ -78,6 +79,22 @@ def cmd_stages(args: argparse.Namespace) -> int:
     changed = changed_stages(root)
     for name in stage_order(root):
         print(f"{name:<12} {'changed' if name in changed else 'up to date'}")
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    """Draw reports/index.html from the metrics on disk (and MLflow's curves and registry unless --no-mlflow)."""
+    from tasks.report import load_inputs, write_report
+    from tasks.tracking import configure
+
+    root = Path(args.root).resolve()
+    if not (root / "metrics").is_dir():
+        print(f"error: {root}/metrics not found; run the pipeline first (`gr2 run`) or pass --root", file=sys.stderr)
+        return 2
+    if not args.no_mlflow:
+        configure(root)
+    path = write_report(load_inputs(root, with_mlflow=not args.no_mlflow, with_registry=not args.no_mlflow))
+    print(f"written: {path}\n  open file://{path}")
     return 0
 
 
@@ -304,6 +321,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     stages = sub.add_parser("stages", help="list the stages in DVC order and whether each is up to date")
     stages.set_defaults(fn=cmd_stages)
+
+    report = sub.add_parser("report", help="write reports/index.html: one offline page with the tables and figures of the metrics on disk")
+    # Also after the subcommand (`gr2 report --root DIR`); SUPPRESS keeps the global --root when absent.
+    report.add_argument("--root", default=argparse.SUPPRESS, help="project folder holding metrics/ (default: the global --root)")
+    report.add_argument("--no-mlflow", action="store_true", help="skip the training curves and the registry (MLflow not read)")
+    report.set_defaults(fn=cmd_report)
 
     ws = sub.add_parser("workspace", help="copy the project into a new folder with a params profile (e.g. smoke)")
     ws.add_argument("dest")

@@ -404,7 +404,25 @@ def run(cfg: EvaluateConfig, root: Path, log: logging.Logger, tracker: StageTrac
         tracker.log_artifact(root / SPEED_REPORT)
         tracker.log_metrics({speed_metric_key(r): r["speedup"] for r in rows})
     tracker.log_metrics(timings)
+    write_html_report(root, results, log, tracker)
     return results
+
+
+def write_html_report(root: Path, results: dict[str, dict[str, dict[str, Any]]], log: logging.Logger, tracker: StageTracker) -> None:
+    """`reports/index.html` (tasks/report.py) from these results and the metrics on disk, logged to the run.
+
+    The stage's numbers are already written when this runs, so a plotting or
+    MLflow problem is a warning, never a failed stage (`gr2 report` redraws it).
+    metrics/evaluate.json is written only after `run` returns: `results` stands in for it.
+    """
+    try:
+        from tasks.report import load_inputs, write_report
+
+        path = write_report(load_inputs(root, evaluate=results, with_mlflow=tracker.enabled, with_registry=tracker.enabled))
+        tracker.log_artifact(path)
+        log.info("report written: %s", path)
+    except Exception as exc:
+        log.warning("reports/index.html not written (%s: %s); `gr2 report` draws it from the metrics on disk", type(exc).__name__, exc)
 
 
 def main() -> None:
