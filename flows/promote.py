@@ -51,7 +51,7 @@ from prefect.runtime import flow_run
 from pydantic import BaseModel
 
 from flows import dvc_stages
-from flows.registry import CHALLENGER, MODEL_STAGES, find_version
+from flows.registry import CHALLENGER, MODEL_STAGES, find_version, version_description
 from tasks.common import ParamsError, load_stage_config, read_params
 from tasks.tracking import metric_key
 
@@ -204,6 +204,8 @@ def record_evaluations(root: Path, client: Any | None = None) -> list[dict[str, 
                 what.append("speed")
         for key, value in tags.items():
             client.set_model_version_tag(spec.model_name, str(mv.version), key, value)
+        if "eval" in what:  # the description gains the held-out numbers the version was judged on
+            client.update_model_version(spec.model_name, str(mv.version), description=version_description(spec, root, md5, evaluation[name]))
         done.append({"model": spec.model_name, "version": str(mv.version), "stage": stage, "tagged": what})
         log.info("%s version %s (%s): tagged %s", spec.model_name, mv.version, stage, ", ".join(what) or "params hash only")
     return done

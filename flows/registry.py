@@ -39,17 +39,65 @@ class ModelStage:
     checkpoint: str  # path relative to the project root, a DVC output of the stage
     # Other files the served model needs (name -> path relative to the root).
     extra_artifacts: tuple[tuple[str, str], ...] = ()
+    made_by: str = ""  # what the stage did to make this version, for its description in the registry
 
 
 _RERANKER_FILES = (("items", "data/prepared/items.parquet"), ("format", "data/traces/format.json"))
 MODEL_STAGES: dict[str, ModelStage] = {
-    "retrieve": ModelStage("retrieve", "gr2-retriever", "checkpoints/retriever"),
-    "sft": ModelStage("sft", "gr2", "checkpoints/gr2-sft", _RERANKER_FILES),
-    "ar_rl": ModelStage("ar_rl", "gr2", "checkpoints/gr2", _RERANKER_FILES),
-    "cft": ModelStage("cft", "diffusion-gr2", "checkpoints/dgr2-cft", _RERANKER_FILES),
-    "opd": ModelStage("opd", "diffusion-gr2", "checkpoints/dgr2-opd", _RERANKER_FILES),
-    "rl": ModelStage("rl", "diffusion-gr2", "checkpoints/dgr2", _RERANKER_FILES),
+    "retrieve": ModelStage("retrieve", "gr2-retriever", "checkpoints/retriever", made_by="SASRec trained with full-softmax cross-entropy, blended with item transitions"),
+    "sft": ModelStage("sft", "gr2", "checkpoints/gr2-sft", _RERANKER_FILES, "supervised fine-tuning on the teacher's reasoning traces"),
+    "ar_rl": ModelStage("ar_rl", "gr2", "checkpoints/gr2", _RERANKER_FILES, "DAPO with the conditional verifiable reward after SFT: this is GR2"),
+    "cft": ModelStage("cft", "diffusion-gr2", "checkpoints/dgr2-cft", _RERANKER_FILES, "conversion fine-tuning of GR2's weights to block diffusion"),
+    "opd": ModelStage("opd", "diffusion-gr2", "checkpoints/dgr2-opd", _RERANKER_FILES, "on-policy distillation from GR2 after CFT"),
+    "rl": ModelStage("rl", "diffusion-gr2", "checkpoints/dgr2", _RERANKER_FILES, "trajectory-level DAPO after OPD: this is Diffusion-GR2"),
 }
+# The registered models' own descriptions (MLflow's registry page shows them first).
+MODEL_DESCRIPTIONS: dict[str, str] = {
+    "gr2-retriever": (
+        "The pre-ranker of the Diffusion-GR2 pipeline: SASRec plus a first-order item-transition model. "
+        "Input: rows with `history` (item ids, oldest first); output: the top-K `candidates` and their `scores`."
+    ),
+    "gr2": (
+        "GR2, the autoregressive generative reasoning re-ranker: a small causal LM that writes a short reasoning "
+        "trace, then a ranking of the candidates. Input: `history` and `candidates` (item ids); output: `ranking`, "
+        "`explanation`, `valid`, `response`."
+    ),
+    "diffusion-gr2": (
+        "Diffusion-GR2: GR2 converted to a block-diffusion decoder that commits several tokens per forward "
+        "(threshold decoder, param `tau`), trained by conversion fine-tuning, on-policy distillation and RL. "
+        "Same input and output as gr2."
+    ),
+}
+
+
+def version_description(spec: ModelStage, root: Path, checkpoint_md5: str, evaluation: Mapping[str, Any] | None = None) -> str:
+    """A registered version's description: what it is, which stage made it from which checkpoint,
+    the stage's headline metrics and, once `evaluate` measured it, its accuracy on the held-out split.
+
+    evaluation: the version's `{split: metrics}` of metrics/evaluate.json (None before evaluate ran).
+    """
+    from tasks.report import format_headline, headline_metrics, read_json
+
+    parts = [f"{spec.model_name} made by stage `{spec.stage}`" + (f" ({spec.made_by})" if spec.made_by else "") + "."]
+    parts.append(f"Checkpoint {spec.checkpoint}, DVC md5 {checkpoint_md5}.")
+    if head := headline_metrics(spec.stage, read_json(root / "metrics" / f"{spec.stage}.json")):
+        parts.append(f"Stage metrics: {format_headline(head)}.")
+    split = next((s for s in ("test", "valid") if isinstance((evaluation or {}).get(s), Mapping)), None)
+    if evaluation and split:
+        m = evaluation[split]
+        bits = []
+        if isinstance(m.get("recall@1"), (int, float)):
+            ci = m.get("recall@1_ci95")
+            bits.append(f"R@1 {m['recall@1']:.4f}" + (f" [{ci[0]:.4f}, {ci[1]:.4f}]" if ci else ""))
+        if isinstance(d := m.get("recall@1_vs_prerank"), Mapping):
+            bits.append(f"R@1 - pre-rank order {d['diff']:+.4f} [{d['ci95'][0]:+.4f}, {d['ci95'][1]:+.4f}]")
+        for key, label in (("ndcg@3", "NDCG@3"), ("valid_permutation_rate", "valid permutations")):
+            if isinstance(m.get(key), (int, float)):
+                bits.append(f"{label} {m[key]:.4f}")
+        n = f", n={int(m['n'])}" if isinstance(m.get("n"), (int, float)) else ""
+        if bits:
+            parts.append(f"Evaluation ({split}{n}): " + ", ".join(bits) + ".")
+    return " ".join(parts)
 
 
 class RetrieverModel(mlflow.pyfunc.PythonModel):
@@ -410,6 +458,9 @@ def register_checkpoint(
     all_tags = {**tags, "stage": spec.stage, "checkpoint_md5": checkpoint_md5, "run_id": run_id}
     for key, value in all_tags.items():
         client.set_model_version_tag(spec.model_name, str(mv), key, str(value))
+    client.update_model_version(spec.model_name, str(mv), description=version_description(spec, root, checkpoint_md5))
+    if not client.get_registered_model(spec.model_name).description and spec.model_name in MODEL_DESCRIPTIONS:
+        client.update_registered_model(spec.model_name, description=MODEL_DESCRIPTIONS[spec.model_name])
     client.set_registered_model_alias(spec.model_name, CHALLENGER, str(mv))
     log.info("registered %s version %s (alias %s)", spec.model_name, mv, CHALLENGER)
     return str(mv), True

@@ -26,6 +26,9 @@ from pathlib import Path
 from typing import Any
 
 EXPERIMENT = "diffusion-gr2"
+# MLflow 3 opens an experiment without this tag on its GenAI overview (traces), which is
+# empty here; with it the UI opens on the training runs.
+EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")
 log = logging.getLogger("tasks.tracking")
 
 
@@ -53,11 +56,17 @@ def experiment_id(root: Path | None = None) -> str:
     root = (root or project_root()).resolve()
     configure(root)
     name = os.environ.get("GR2_EXPERIMENT", EXPERIMENT)
+    key, kind = EXPERIMENT_KIND
     exp = mlflow.get_experiment_by_name(name)
     if exp is not None:
+        if exp.tags.get(key) != kind:  # made before the tag existed: tag it once
+            try:
+                mlflow.MlflowClient().set_experiment_tag(exp.experiment_id, key, kind)
+            except Exception as exc:  # a UI nicety: never worth failing a stage over
+                log.warning("experiment %s not tagged %s=%s: %s", name, key, kind, exc)
         return exp.experiment_id
     try:
-        return mlflow.create_experiment(name, artifact_location=(root / "mlruns").as_uri())
+        return mlflow.create_experiment(name, artifact_location=(root / "mlruns").as_uri(), tags={key: kind})
     except Exception:  # another process created it at the same moment
         exp = mlflow.get_experiment_by_name(name)
         if exp is None:

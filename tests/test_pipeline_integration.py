@@ -116,10 +116,19 @@ def test_dvc_outputs_and_metrics(smoke_run: dict[str, Any]) -> None:
     assert "checkpoints/retriever" in lock and "data/prepared" in lock
 
 
+def test_evaluate_writes_the_offline_report(smoke_run: dict[str, Any]) -> None:
+    page = (smoke_run["ws"] / "reports/index.html").read_text()
+    for row in ("prerank", "gr2", "dgr2-naive", "dgr2"):
+        assert f"<td>{row}</td>" in page
+    assert page.count('src="data:image/svg+xml;base64,') >= 4  # ablation, speed, curves, pre-ranker
+    assert "could not be drawn" not in page and "No training curves" not in page
+
+
 def test_mlflow_nested_runs_with_lineage(smoke_run: dict[str, Any]) -> None:
     ws = smoke_run["ws"]
     client = _mlflow(ws)
     exp = client.get_experiment_by_name("diffusion-gr2")
+    assert exp.tags.get("mlflow.experimentKind") == "custom_model_development", "MLflow's UI opens on the training runs"
     runs = client.search_runs([exp.experiment_id])
     parents = [r for r in runs if r.info.run_name == "pipeline"]
     assert len(parents) == 2 and all(r.info.status == "FINISHED" for r in parents)
@@ -163,6 +172,9 @@ def test_retriever_registered_once_and_serves(smoke_run: dict[str, Any]) -> None
     assert client.get_model_version_by_alias("gr2", "challenger").tags["stage"] == "ar_rl"
     assert sorted(v.tags["stage"] for v in client.search_model_versions("name = 'diffusion-gr2'")) == ["cft", "opd", "rl"]
     assert client.get_model_version_by_alias("diffusion-gr2", "challenger").tags["stage"] == "rl"
+    described = client.get_model_version_by_alias("gr2", "challenger").description
+    assert described.startswith("gr2 made by stage `ar_rl`") and "Evaluation (test" in described, described
+    assert client.get_registered_model("diffusion-gr2").description.startswith("Diffusion-GR2")
 
     model = mlflow.pyfunc.load_model("models:/gr2-retriever@challenger")
     out = model.predict(pd.DataFrame({"history": [[1, 2, 3], [10]]}))

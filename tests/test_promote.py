@@ -354,6 +354,8 @@ def test_record_evaluations_tags_the_version_of_that_checkpoint(tmp_path: Path, 
     assert float(tags[speed_tag(0.9, 1, "speedup")]) == 2.5 and float(tags[speed_tag(0.9, 16, "speedup")]) == 1.6
     assert tags[speed_tag(0.5, 1, "decoder")] == "diffusion"
     assert len(tags["dvc.params.md5"]) == 32
+    # the description now carries the numbers the version was evaluated with
+    assert "Evaluation (test, n=1615): R@1 0.2910" in client.get_model_version(model_name, v).description
     assert not any(k.startswith(("eval.", "speed.")) for k in client.get_model_version(model_name, other).tags)
     # the fixture's numbers pass the project's diffusion gates
     d = promote(model_name, v, root, PromoteConfig(models={model_name: load_promote_config(ROOT).models["diffusion-gr2"]}), client=client)
