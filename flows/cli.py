@@ -1,7 +1,8 @@
 """`gr2`: the user-facing command.
 
-    gr2 run [--stage S] [--force]     run the pipeline flow (Prefect) over the DVC stages
+    gr2 run [--stage S] [--force] [-v] run the pipeline flow (Prefect) over the DVC stages; one console line per stage start/end
     gr2 stages                        the stages in DVC's order, and which are out of date
+    gr2 status [--no-dvc]             per stage: metrics written and when, headline metrics, out of date or not
     gr2 report                        reports/index.html: tables and figures from the metrics and MLflow, offline
     gr2 workspace DEST --profile P    a self-contained copy of the project with a params profile
     gr2 data download                 fetch the public raw Amazon review files
@@ -47,6 +48,7 @@ def _where_to_look(root: Path) -> str:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    from flows.console import setup_run_logging
     from flows.pipeline import pipeline
     from flows.prefect_api import temporary_api
     from tasks.common import ParamsError
@@ -57,18 +59,36 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(f"error: {root}/dvc.yaml not found; run from the project root or pass --root", file=sys.stderr)
         return 2
     configure(root)
+    run_log = setup_run_logging(root, verbose=args.verbose)
+    print(f"gr2 run in {root}; full log: {run_log.path}" + ("" if args.verbose else " (-v shows it here)"), flush=True)
     try:
         with temporary_api(root):
             summaries = pipeline(root=str(root), stages=args.stage or None, force=args.force)
     except (RuntimeError, ValueError, ParamsError) as exc:
-        print(f"\npipeline failed: {exc}", file=sys.stderr)
+        # A failed stage's message ends with its last lines of output (flows/dvc_stages.repro).
+        print(f"\npipeline failed: {exc}\n\nfull log: {run_log.path}", file=sys.stderr)
         return 1
-    print("\nStage      status    seconds")
+    finally:
+        run_log.close()
     for s in summaries:
-        print(f"{s['stage']:<10} {s['status']:<9} {s['seconds']:>7}")
         if reg := s.get("registered"):
-            print(f"{'':<10} registered {reg['model']} version {reg['version']} ({'new' if reg['created'] else 'existing'})")
-    print("\n" + _where_to_look(root))
+            print(f"{s['stage']}: registered {reg['model']} version {reg['version']} ({'new' if reg['created'] else 'existing'})")
+    report = root / "reports" / "index.html"
+    print("\n" + _where_to_look(root) + (f"\n  Report:       file://{report}" if report.exists() else ""))
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    """Per stage: metrics written and when, headline metrics, and whether DVC would rerun it."""
+    from flows.console import status_rows, status_table
+    from flows.dvc_stages import changed_stages, stage_order
+
+    root = Path(args.root).resolve()
+    if not (root / "dvc.yaml").exists():
+        print(f"error: {root}/dvc.yaml not found; run from the project root or pass --root", file=sys.stderr)
+        return 2
+    changed = None if args.no_dvc else changed_stages(root)
+    print(status_table(status_rows(root, stage_order(root), changed)))
     return 0
 
 
@@ -309,6 +329,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0  # not reached
 
 
+def _root_after(sub: argparse.ArgumentParser) -> None:
+    """Accept `--root` after the subcommand too (`gr2 status --root DIR`); SUPPRESS keeps the global one when absent."""
+    sub.add_argument("--root", default=argparse.SUPPRESS, help="project folder holding dvc.yaml (default: the global --root)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gr2", description="Diffusion-GR2 pipeline: train, measure, register and promote re-rankers.")
     parser.add_argument("--root", default=".", help="project folder holding dvc.yaml (default: current folder)")
@@ -317,14 +342,21 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="run the pipeline (Prefect flow over the DVC stages; MLflow tracking)")
     run.add_argument("--stage", action="append", help="run up to and including this stage (repeatable); default all")
     run.add_argument("--force", action="store_true", help="rerun stages even if DVC finds them up to date")
+    run.add_argument("-v", "--verbose", action="store_true", help="everything on the console too (default: one line per stage start and end; the rest in logs/<run>.log)")
+    _root_after(run)
     run.set_defaults(fn=cmd_run)
 
+    status = sub.add_parser("status", help="per stage: metrics written and when, headline metrics, whether DVC would rerun it")
+    status.add_argument("--no-dvc", action="store_true", help="skip DVC's check of what is out of date (it hashes changed outputs)")
+    _root_after(status)
+    status.set_defaults(fn=cmd_status)
+
     stages = sub.add_parser("stages", help="list the stages in DVC order and whether each is up to date")
+    _root_after(stages)
     stages.set_defaults(fn=cmd_stages)
 
     report = sub.add_parser("report", help="write reports/index.html: one offline page with the tables and figures of the metrics on disk")
-    # Also after the subcommand (`gr2 report --root DIR`); SUPPRESS keeps the global --root when absent.
-    report.add_argument("--root", default=argparse.SUPPRESS, help="project folder holding metrics/ (default: the global --root)")
+    _root_after(report)
     report.add_argument("--no-mlflow", action="store_true", help="skip the training curves and the registry (MLflow not read)")
     report.set_defaults(fn=cmd_report)
 

@@ -21,6 +21,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run
 
 from flows import dvc_stages
+from flows.console import stage_lines
 from flows.promote import record_evaluations_task
 from flows.registry import MODEL_STAGES, register_checkpoint
 from flows.reproduce import record_lineage, runtime_tags
@@ -182,10 +183,13 @@ def pipeline(root: str = ".", stages: list[str] | None = None, force: bool = Fal
     summaries: list[dict[str, Any]] = []
     status = "FAILED"
     try:
-        for stage in order:
-            summary = run_stage.with_options(name=stage)(stage, str(rootp), parent_id, force)
-            if stage in MODEL_STAGES:
-                summary["registered"] = register_model.with_options(name=f"register-{stage}")(stage, str(rootp), summary)
+        for position, stage in enumerate(order, 1):
+            # One console line as the stage starts, one as it ends (flows/console.py).
+            with stage_lines(position, len(order), stage, rootp) as lines:
+                summary = run_stage.with_options(name=stage)(stage, str(rootp), parent_id, force)
+                if stage in MODEL_STAGES:
+                    summary["registered"] = register_model.with_options(name=f"register-{stage}")(stage, str(rootp), summary)
+                lines["summary"] = summary
             summaries.append(summary)
         # After evaluate (and any later stage): each registered version gets its checkpoint's
         # eval metrics, decode speed and params hash as tags, which promotion reads.

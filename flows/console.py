@@ -1,0 +1,179 @@
+"""What `gr2 run` prints, and what `gr2 status` reports.
+
+The console of a pipeline run holds one line when each stage starts and one
+when it ends (status, seconds, headline metrics), our own warnings, and, on a
+failure, the stage's last lines and the log's path. Everything else (the
+stages' output as DVC streams it, Prefect's flow and task logs, MLflow's and
+DVC's chatter) goes to `logs/<run>.log` in the workspace; `-v` puts it back on
+the console. httpx logs every Prefect API call at INFO: those lines are dropped
+unless `-v`.
+
+The stage lines are records of the `gr2.console` logger, so they land in the
+log file and in Prefect's logs as well, and a caller that never set up this
+console (tests, `gr2 schedule run`) still sees them as ordinary INFO records.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TextIO
+
+from tasks.report import format_headline, headline_metrics, read_json
+
+CONSOLE_LOGGER = "gr2.console"
+LOG_DIR = Path("logs")
+LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
+# Loggers that speak for the tools, not for the pipeline: kept off the quiet console even at WARNING
+# (a failed task's traceback from Prefect repeats what the failure summary says).
+TOOL_LOGGERS = ("prefect", "httpx", "httpcore", "mlflow", "alembic", "urllib3", "dvc", "uvicorn", "fastapi", "git")
+CHATTY = ("httpx", "httpcore")  # INFO on every HTTP request to Prefect's API
+
+console_log = logging.getLogger(CONSOLE_LOGGER)
+
+
+class _QuietConsole(logging.Filter):
+    """Pass the stage lines, and warnings of the pipeline's own loggers; drop the rest."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.name == CONSOLE_LOGGER or record.name.startswith(CONSOLE_LOGGER + "."):
+            return True
+        if record.levelno < logging.WARNING:
+            return False
+        return not any(record.name == t or record.name.startswith(t + ".") for t in TOOL_LOGGERS)
+
+
+@dataclass
+class RunLog:
+    """The log of one `gr2 run`: where it is and the handlers to take down afterwards."""
+
+    path: Path
+    handlers: list[logging.Handler]
+    saved_levels: dict[str, int]
+    replaced: list[logging.Handler]  # the console handlers it took off the root logger
+
+    def close(self) -> None:
+        """Remove the handlers this run added; put back the ones it replaced and the levels it changed."""
+        root = logging.getLogger()
+        for h in self.handlers:
+            root.removeHandler(h)
+            h.close()
+        for h in self.replaced:
+            root.addHandler(h)
+        for name, level in self.saved_levels.items():
+            logging.getLogger(name).setLevel(level)
+
+
+def setup_run_logging(root: Path, verbose: bool = False, stream: TextIO | None = None, run_name: str | None = None) -> RunLog:
+    """Send every record to `<root>/logs/<run>.log` and only the stage lines and our warnings to the console.
+
+    The root logger's existing console handlers are replaced by one that writes
+    to `stream` (default stderr) through the quiet filter, or unfiltered when
+    `verbose`. Returns the RunLog; `close()` undoes it.
+    """
+    run_name = run_name or time.strftime("%Y%m%d-%H%M%S")
+    path = root / LOG_DIR / f"{run_name}.log"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    top = logging.getLogger()
+    # basicConfig's stderr handler (gr2's main) is replaced by the console below; handlers
+    # writing elsewhere (files, a test's capture) are left alone.
+    replaced = [h for h in top.handlers if type(h) is logging.StreamHandler and h.stream in (sys.stderr, sys.stdout)]
+    for h in replaced:
+        top.removeHandler(h)
+    file_handler = logging.FileHandler(path, encoding="utf-8")
+    file_handler.setFormatter(logging.Formatter(LOG_FORMAT))
+    console = logging.StreamHandler(stream or sys.stderr)
+    if verbose:
+        console.setFormatter(logging.Formatter(LOG_FORMAT))
+    else:
+        console.setFormatter(logging.Formatter("%(message)s"))
+        console.addFilter(_QuietConsole())
+    top.addHandler(file_handler)
+    top.addHandler(console)
+    saved = {name: logging.getLogger(name).level for name in (*CHATTY, CONSOLE_LOGGER, "")}
+    top.setLevel(min(top.level or logging.INFO, logging.INFO))
+    console_log.setLevel(logging.INFO)
+    if not verbose:
+        for name in CHATTY:
+            logging.getLogger(name).setLevel(logging.WARNING)
+    return RunLog(path, [file_handler, console], saved, replaced)
+
+
+# --- the stage lines ------------------------------------------------------------------------------
+
+
+def _headline(root: Path, stage: str, metrics: Mapping[str, Any] | None) -> str:
+    speed = read_json(root / "metrics" / "speed.json") if stage == "evaluate" else None
+    return format_headline(headline_metrics(stage, metrics, speed))
+
+
+def stage_started(position: int, total: int, stage: str) -> None:
+    """`[5/11] sft ...`"""
+    console_log.info("[%d/%d] %s ...", position, total, stage)
+
+
+def stage_finished(position: int, total: int, summary: Mapping[str, Any], root: Path, seconds: float) -> None:
+    """`[5/11] sft ran in 123.4 s: loss 0.0975, valid loss 0.0803` (skipped: the metrics on disk)."""
+    stage = summary["stage"]
+    head = _headline(root, stage, summary.get("metrics"))
+    status = "ran" if summary.get("status") == "ran" else "skipped (up to date)"
+    console_log.info("[%d/%d] %s %s in %.1f s%s", position, total, stage, status, seconds, f": {head}" if head else "")
+
+
+def stage_failed(position: int, total: int, stage: str, seconds: float) -> None:
+    """`[5/11] sft FAILED after 12.3 s` (the cause and the log's path follow from the caller)."""
+    console_log.error("[%d/%d] %s FAILED after %.1f s", position, total, stage, seconds)
+
+
+@contextmanager
+def stage_lines(position: int, total: int, stage: str, root: Path) -> Iterator[dict[str, Any]]:
+    """Start line now, end line when the body has put the stage's summary in the yielded dict."""
+    stage_started(position, total, stage)
+    start = time.perf_counter()
+    out: dict[str, Any] = {}
+    try:
+        yield out
+    except BaseException:
+        stage_failed(position, total, stage, time.perf_counter() - start)
+        raise
+    if "summary" in out:
+        stage_finished(position, total, out["summary"], root, time.perf_counter() - start)
+
+
+# --- gr2 status ---------------------------------------------------------------------------------
+
+
+def status_rows(root: Path, stages: list[str], changed: set[str] | None) -> list[dict[str, Any]]:
+    """Per stage: whether its metrics exist, when they were written, its headline and (when
+    `changed` is known) whether DVC would rerun it."""
+    rows = []
+    for stage in stages:
+        path = root / "metrics" / f"{stage}.json"
+        metrics = read_json(path)
+        rows.append(
+            {
+                "stage": stage,
+                "metrics": path.exists(),
+                "written": time.strftime("%Y-%m-%d %H:%M", time.localtime(path.stat().st_mtime)) if path.exists() else "",
+                "seconds": (metrics or {}).get("seconds"),
+                "headline": _headline(root, stage, metrics),
+                "dvc": None if changed is None else ("out of date" if stage in changed else "up to date"),
+            }
+        )
+    return rows
+
+
+def status_table(rows: list[dict[str, Any]]) -> str:
+    """`gr2 status` as aligned text."""
+    lines = [f"{'stage':<13}{'dvc':<13}{'written':<18}{'seconds':>9}  headline"]
+    for r in rows:
+        secs = f"{r['seconds']:.0f}" if isinstance(r["seconds"], (int, float)) else "-"
+        lines.append(
+            f"{r['stage']:<13}{(r['dvc'] or 'not checked'):<13}{(r['written'] or 'no metrics'):<18}{secs:>9}  {r['headline'] or '-'}"
+        )
+    return "\n".join(lines)
