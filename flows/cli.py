@@ -47,6 +47,15 @@ def _where_to_look(root: Path) -> str:
     )
 
 
+def _project_root(args: argparse.Namespace, needs: str, hint: str) -> Path | None:
+    """`--root` resolved, or None (after saying so on stderr) when it lacks `needs`."""
+    root = Path(args.root).resolve()
+    if not (root / needs).exists():
+        print(f"error: {root}/{needs} not found; {hint}", file=sys.stderr)
+        return None
+    return root
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from flows.console import setup_run_logging
     from flows.pipeline import pipeline
@@ -54,9 +63,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     from tasks.common import ParamsError
     from tasks.tracking import configure
 
-    root = Path(args.root).resolve()
-    if not (root / "dvc.yaml").exists():
-        print(f"error: {root}/dvc.yaml not found; run from the project root or pass --root", file=sys.stderr)
+    root = _project_root(args, "dvc.yaml", "run from the project root or pass --root")
+    if root is None:
         return 2
     configure(root)
     run_log = setup_run_logging(root, verbose=args.verbose)
@@ -83,9 +91,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     from flows.console import status_rows, status_table
     from flows.dvc_stages import changed_stages, stage_order
 
-    root = Path(args.root).resolve()
-    if not (root / "dvc.yaml").exists():
-        print(f"error: {root}/dvc.yaml not found; run from the project root or pass --root", file=sys.stderr)
+    root = _project_root(args, "dvc.yaml", "run from the project root or pass --root")
+    if root is None:
         return 2
     changed = None if args.no_dvc else changed_stages(root)
     print(status_table(status_rows(root, stage_order(root), changed)))
@@ -107,9 +114,8 @@ def cmd_report(args: argparse.Namespace) -> int:
     from tasks.report import load_inputs, write_report
     from tasks.tracking import configure
 
-    root = Path(args.root).resolve()
-    if not (root / "metrics").is_dir():
-        print(f"error: {root}/metrics not found; run the pipeline first (`gr2 run`) or pass --root", file=sys.stderr)
+    root = _project_root(args, "metrics", "run the pipeline first (`gr2 run`) or pass --root")
+    if root is None:
         return 2
     if not args.no_mlflow:
         configure(root)
