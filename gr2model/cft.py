@@ -146,6 +146,14 @@ class CFTConfig:
     grad_clip: max global gradient norm (<= 0 disables clipping).
     valid_every: also compute the validation loss every this many optimizer steps
         (0: only after each epoch).
+    kd_weight: weight of a token-level distillation term added to each masked
+        token's NLL: KL(teacher || student), the teacher being the AR model
+        (`train_cft(teacher=...)`) reading the clean trajectory (its distribution
+        of that token given the prompt and the response before it). 0: plain
+        CFT, no teacher needed. Why: the trajectories are GR2's greedy answers,
+        so a hard label says only which item GR2 put first; its distribution
+        also says how close the call was, which is what the student must learn
+        to depart from the incoming order where GR2 does.
     """
 
     epochs: int = 3
@@ -162,13 +170,14 @@ class CFTConfig:
     seed: int = 0
     grad_clip: float = 1.0
     valid_every: int = 0
+    kd_weight: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("epochs", "batch_size", "block_size"):
             check(self, name, ge=1)
         check(self, "lr", gt=0)
         for name in ("weight_decay", "warmup_steps", "reasoning_weight", "answer_weight", "pad_weight", "seed",
-                     "valid_every"):
+                     "valid_every", "kd_weight"):
             check(self, name, ge=0)
         # max_length need not be a multiple of block_size: examples are cut to whole blocks.
         check(self, "max_length", ge=2)
@@ -423,6 +432,12 @@ def build_cft_batch(
         weights: (R, T) float, the loss weight of each target (0 where none).
         kind: (R, T) long, KIND_* of each target (KIND_ANSWER where none).
         n_tokens: () long, non-pad columns in the batch.
+        teacher_ids: (N, P) long, each example's prompt + clean response, right
+            padded with pad_id (P = max(p + L)): what an AR teacher reads.
+        teacher_attention: (N, P) long, 1 on real tokens.
+        teacher_cols: (R, T) long, for each target column the teacher column
+            whose logits predict the same response token (p + s - 1 for response
+            index s, row r reading example r // 2); -1 where no target.
     """
     if len(examples) != len(masks):
         raise ValueError("one mask pair per example")
@@ -435,7 +450,11 @@ def build_cft_batch(
         "targets": torch.full((rows, width), IGNORE_INDEX, dtype=torch.long),
         "weights": torch.zeros((rows, width), dtype=torch.float32),
         "kind": torch.full((rows, width), KIND_ANSWER, dtype=torch.long),
+        "teacher_cols": torch.full((rows, width), -1, dtype=torch.long),
     }
+    t_width = int((p + L).max())
+    out["teacher_ids"] = torch.full((len(examples), t_width), pad_id, dtype=torch.long)
+    out["teacher_attention"] = torch.zeros((len(examples), t_width), dtype=torch.long)
     for i, (e, pair) in enumerate(zip(examples, masks)):
         prompt = torch.as_tensor(e["prompt_ids"], dtype=torch.long)
         resp = torch.as_tensor(e["response_ids"], dtype=torch.long)
@@ -445,6 +464,9 @@ def build_cft_batch(
         kind = torch.as_tensor(e["kind"], dtype=torch.long)
         np_, nl = len(prompt), len(resp)
         src = prediction_sources(np_, nl, block_size)
+        out["teacher_ids"][i, : np_ + nl] = torch.cat([prompt, resp])
+        out["teacher_attention"][i, : np_ + nl] = 1
+        teacher_src = np_ - 1 + torch.arange(nl)  # the AR shift: column p + s - 1 predicts token s
         for j in range(2):
             r, m = 2 * i + j, pair[j]
             out["input_ids"][r, :np_] = prompt
@@ -453,6 +475,7 @@ def build_cft_batch(
             out["targets"][r, src[m]] = resp[m]
             out["weights"][r, src[m]] = w[m]
             out["kind"][r, src[m]] = kind[m]
+            out["teacher_cols"][r, src[m]] = teacher_src[m]
     out["position_ids"] = training_position_ids(p, L, width)
     out["attention_mask"] = training_attention_mask(p, L, block_size, width)
     out["n_tokens"] = (p + 2 * L).sum()
@@ -495,15 +518,19 @@ def block_diffusion_loss(logits: torch.Tensor, targets: torch.Tensor, weights: t
 
 
 def _loss_sums(
-    model: torch.nn.Module, batch: dict[str, torch.Tensor]
+    model: torch.nn.Module, batch: dict[str, torch.Tensor], teacher: torch.nn.Module | None = None, kd_weight: float = 0.0
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(sum(w * nll) with grad, stats (6,) without grad, non-pad columns) of one batch.
+    """(sum(w * loss) with grad, stats (6,) without grad, non-pad columns) of one batch.
 
+    loss is each masked token's NLL, plus, with a teacher and kd_weight > 0,
+    kd_weight * KL(teacher || student) on the tokens that are not block padding
+    (the teacher, an AR model, never learnt what follows its eos).
     stats as in `gr2model.sft`: [sum w, sum w*nll, reasoning nll sum, reasoning
-    count, answer nll sum, answer count] over the masked tokens; block-padding
-    eos tokens count in the first two only. Logits are computed only on the
-    columns that predict a masked token (`logits_to_keep` with a boolean (R, T)
-    mask): with a large vocabulary the full (R, T, V) logits would dominate memory.
+    count, answer nll sum, answer count] over the masked tokens (NLL only);
+    block-padding eos tokens count in the first two only. Logits are computed
+    only on the columns that predict a masked token (`logits_to_keep` with a
+    boolean (R, T) mask): with a large vocabulary the full (R, T, V) logits
+    would dominate memory.
     """
     keep = batch["targets"] != IGNORE_INDEX
     out = model(
@@ -515,10 +542,26 @@ def _loss_sums(
     )
     nll, _ = _target_nll(out.logits, batch["targets"][keep])  # (K,)
     w = batch["weights"][keep].float()
-    weighted = (w * nll).sum()
+    kind = batch["kind"][keep]
+    per_token = nll
+    if teacher is not None and kd_weight > 0:
+        with torch.no_grad():
+            t_logits = teacher(
+                input_ids=batch["teacher_ids"], attention_mask=batch["teacher_attention"], use_cache=False
+            ).logits  # (N, P, V)
+            rows = torch.arange(keep.shape[0], device=keep.device)[:, None].expand_as(keep)[keep] // 2
+            t_sel = t_logits[rows, batch["teacher_cols"][keep]].float()  # (K, V_teacher)
+            if t_sel.shape[-1] < out.logits.shape[-1]:
+                # The conversion appended `<|mask|>` to the vocabulary: the teacher never writes it.
+                t_sel = F.pad(t_sel, (0, out.logits.shape[-1] - t_sel.shape[-1]), value=float("-inf"))
+            t_logp = torch.log_softmax(t_sel, dim=-1)  # (K, V)
+        s_logp = torch.log_softmax(out.logits.float(), dim=-1)
+        # KL(teacher || student); xlogy-style: 0 * log 0 = 0 where the teacher gives no mass.
+        kl = torch.where(t_logp.isfinite(), t_logp.exp() * (t_logp - s_logp), 0.0).sum(-1)  # (K,)
+        per_token = nll + kd_weight * kl * (kind != KIND_PAD)
+    weighted = (w * per_token).sum()
     with torch.no_grad():
-        kind = batch["kind"][keep]
-        stats = _stats(w, weighted, nll, kind == KIND_REASONING, kind == KIND_ANSWER)
+        stats = _stats(w, (w * nll).sum(), nll, kind == KIND_REASONING, kind == KIND_ANSWER)
     return weighted, stats, batch["n_tokens"]
 
 
@@ -581,6 +624,7 @@ def train_cft(
     valid: Sequence[tuple[str, str]] | None = None,
     on_step: Callable[[dict[str, float]], None] | None = None,
     accelerator: Accelerator | None = None,
+    teacher: PreTrainedModel | None = None,
 ) -> CFTResult:
     """Conversion fine-tuning of a causal LM on (prompt, response) pairs (module docstring).
 
@@ -607,6 +651,10 @@ def train_cft(
             valid_answer_loss). reasoning_loss and answer_loss are mean NLLs
             over the masked tokens of that kind (unweighted, block pads excluded).
         accelerator: the Accelerator to run under (a default one when None).
+        teacher: the AR model whose distributions the student matches when
+            cfg.kd_weight > 0 (required then; frozen, never updated); it reads
+            input_ids (N, P) with a 2D attention_mask and returns logits (N, P, V)
+            over the student's vocabulary.
     Returns:
         CFTResult (model unwrapped, in eval mode).
     """
@@ -622,6 +670,11 @@ def train_cft(
         raise ValueError(f"model.config.block_size={conf_block} but cfg.block_size={cfg.block_size}")
     if conf_mask is not None and int(conf_mask) != mask_id:
         raise ValueError(f"model.config.mask_token_id={conf_mask} but the tokenizer's mask id is {mask_id}")
+    if cfg.kd_weight > 0 and teacher is None:
+        raise ValueError(f"cfg.kd_weight={cfg.kd_weight} needs a teacher model")
+    if teacher is not None:
+        teacher = teacher.to(accelerator.device).eval().requires_grad_(False)
+    kd_teacher = teacher if cfg.kd_weight > 0 else None
     train_enc = _encode_all(tok, examples, cfg, "train")
     if not train_enc:
         raise ValueError("no training example with a response block")
@@ -630,7 +683,7 @@ def train_cft(
     def loss_sums(m: torch.nn.Module, indices: torch.Tensor, epoch: int) -> tuple[torch.Tensor, ...]:
         idx = indices.tolist()
         masks = [example_masks(len(train_enc[i]["response_ids"]), cfg, epoch=epoch, index=i) for i in idx]
-        return _loss_sums(m, _batch_on(train_enc, idx, masks, cfg, mask_id, pad_id, accelerator.device))
+        return _loss_sums(m, _batch_on(train_enc, idx, masks, cfg, mask_id, pad_id, accelerator.device), kd_teacher, cfg.kd_weight)
 
     trained, history, steps = run_train_loop(
         model,

@@ -75,9 +75,11 @@ def run(cfg: CftStageConfig, root: Path, log: logging.Logger, tracker: StageTrac
     ar_model, tok = load_hf_checkpoint(root / GR2)
     ccfg = cfg.train
     model = convert_to_block_diffusion(ar_model, tok, ccfg.block_size)
+    # With kd_weight > 0 GR2 stays loaded as the frozen teacher of the distillation term.
+    teacher = ar_model if ccfg.kd_weight > 0 else None
     del ar_model
-    with timed(log, f"CFT for {ccfg.epochs} epochs (block size {ccfg.block_size})", timings, "train_s"):
-        result = train_cft(model, tok, train, ccfg, valid=valid or None, on_step=tracker.log_step)
+    with timed(log, f"CFT for {ccfg.epochs} epochs (block size {ccfg.block_size}, kd_weight {ccfg.kd_weight})", timings, "train_s"):
+        result = train_cft(model, tok, train, ccfg, valid=valid or None, on_step=tracker.log_step, teacher=teacher)
     lineage = read_stage_config(root / GR2)
     with atomic_dir(root / CHECKPOINT) as out:
         save_hf_checkpoint(out, result.model, tok, {"stage": STAGE, **cfg.model_dump(), "converted_from": lineage})

@@ -12,6 +12,7 @@ from accelerate import debug_launcher
 
 from gr2model.block_diffusion import block_causal_mask, convert_to_block_diffusion
 from gr2model.cft import (
+    _loss_sums,
     KIND_ANSWER,
     KIND_PAD,
     KIND_REASONING,
@@ -279,6 +280,49 @@ def test_loss_reads_only_masked_tokens_at_their_sources(tok, items) -> None:
     base = block_diffusion_loss(logits, batch["targets"], batch["weights"])
     torch.testing.assert_close(block_diffusion_loss(logits, batch["targets"], 3 * batch["weights"]), base)
     assert block_diffusion_loss(logits, batch["targets"], torch.zeros_like(batch["weights"])).item() == 0.0
+
+
+def test_teacher_columns_predict_the_same_tokens(tok, items) -> None:
+    """Each target's teacher column is the AR column that predicts the same response token."""
+    cfg = CFTConfig(block_size=4)
+    encs = [encode_cft_example(tok, *ex, cfg) for ex in toy_examples(items)[:3]]
+    masks = [example_masks(len(e["response_ids"]), cfg, epoch=0, index=i) for i, e in enumerate(encs)]
+    batch = build_cft_batch(encs, masks, block_size=4, mask_id=tok.mask_token_id, pad_id=tok.pad_token_id)
+    keep = batch["targets"] != -100
+    assert torch.equal(keep, batch["teacher_cols"] >= 0)
+    rows = torch.arange(keep.shape[0])[:, None].expand_as(keep)[keep] // 2
+    # The AR shift: column c of the teacher's row predicts the token at column c + 1.
+    assert torch.equal(batch["teacher_ids"][rows, batch["teacher_cols"][keep] + 1], batch["targets"][keep])
+    for i, e in enumerate(encs):
+        n = len(e["prompt_ids"]) + len(e["response_ids"])
+        assert batch["teacher_attention"][i].sum().item() == n
+        assert batch["teacher_ids"][i, :n].tolist() == e["prompt_ids"] + e["response_ids"]
+
+
+def test_distillation_needs_a_teacher_and_pulls_toward_it(tok, items) -> None:
+    examples = toy_examples(items)[:8]
+    cfg = CFTConfig(epochs=3, batch_size=4, lr=3e-3, warmup_steps=1, block_size=4, kd_weight=1.0)
+    with pytest.raises(ValueError, match="teacher"):
+        train_cft(toy_model(tok), tok, examples, cfg)
+    teacher = toy_model(tok, seed=7)
+    enc = [encode_cft_example(tok, *ex, cfg) for ex in examples]
+    masks = [example_masks(len(e["response_ids"]), cfg, epoch=0, index=i) for i, e in enumerate(enc)]
+    batch = build_cft_batch(enc, masks, block_size=4, mask_id=tok.mask_token_id, pad_id=tok.pad_token_id)
+
+    def kd_term(model) -> float:
+        """The batch's loss with the distillation term minus the plain NLL: the weighted KL."""
+        with torch.no_grad():
+            with_kd = _loss_sums(model, batch, teacher, 1.0)[0]
+            plain = _loss_sums(model, batch)[0]
+        return (with_kd - plain).item()
+
+    student = toy_model(tok)
+    before = kd_term(student)
+    assert before > 0  # two different models disagree somewhere
+    strong = CFTConfig(epochs=3, batch_size=4, lr=3e-3, warmup_steps=1, block_size=4, kd_weight=50.0)
+    trained = train_cft(student, tok, examples, strong, teacher=teacher).model
+    assert kd_term(trained) < before
+    assert all(not p.requires_grad for p in teacher.parameters())  # frozen, never updated
 
 
 def test_encoding_pads_to_whole_blocks_and_cuts_to_whole_blocks(tok, items) -> None:
