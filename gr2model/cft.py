@@ -96,6 +96,7 @@ from accelerate import Accelerator
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from gr2model.bounds import FieldRangeError, check
+from gr2model.resume import Checkpointer
 from gr2model.sft import IGNORE_INDEX, SFTConfig, _stats, encode_example, run_train_loop
 
 __all__ = [
@@ -581,6 +582,7 @@ def train_cft(
     valid: Sequence[tuple[str, str]] | None = None,
     on_step: Callable[[dict[str, float]], None] | None = None,
     accelerator: Accelerator | None = None,
+    checkpointer: Checkpointer | None = None,
 ) -> CFTResult:
     """Conversion fine-tuning of a causal LM on (prompt, response) pairs (module docstring).
 
@@ -607,6 +609,9 @@ def train_cft(
             valid_answer_loss). reasoning_loss and answer_loss are mean NLLs
             over the masked tokens of that kind (unweighted, block pads excluded).
         accelerator: the Accelerator to run under (a default one when None).
+        checkpointer: resume from its newest state and save as it says
+            (`gr2model.sft.run_train_loop`; the noise is a function of (seed,
+            epoch, example), so a resumed run draws the same masks); None: no state.
     Returns:
         CFTResult (model unwrapped, in eval mode).
     """
@@ -643,5 +648,6 @@ def train_cft(
         valid_every=cfg.valid_every,
         on_step=on_step,
         desc="cft",
+        checkpointer=checkpointer,
     )
     return CFTResult(model=trained, history=history, steps=steps)
