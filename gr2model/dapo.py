@@ -352,10 +352,17 @@ class PolicyRun:
         t = torch.tensor(values, dtype=torch.float64, device=self.device)
         return self.accelerator.reduce(t, reduction="sum").tolist()
 
-    def restore(self, checkpointer: Checkpointer | None, history: list[dict[str, float]]) -> int:
+    def restore(
+        self,
+        checkpointer: Checkpointer | None,
+        history: list[dict[str, float]],
+        on_step: Callable[[dict[str, float]], None] | None = None,
+    ) -> int:
         """Steps already done: those of the checkpointer's newest state, loaded into this
         run (weights, optimizer, every RNG, the prompt stream, both generators) and
-        `history` (in place); 0 without a checkpointer or a saved state.
+        `history` (in place); 0 without a checkpointer or a saved state. On a resume the
+        restored history is passed to `on_step` first (main process), so a tracker that
+        starts with this process still records the whole curve.
 
         The loop then calls `checkpointer.step_done(step + 1, final=...)` after each
         step. A resumed run draws the same prompts and the same noise as one that
@@ -364,7 +371,11 @@ class PolicyRun:
         if checkpointer is None:
             return 0
         checkpointer.attach(self.accelerator, _PolicyRunState(self, history))
-        return checkpointer.restore()
+        start = checkpointer.restore()
+        if on_step is not None and self.accelerator.is_main_process:
+            for metrics in history:
+                on_step(metrics)
+        return start
 
     def finish(self) -> PreTrainedModel:
         """Wait for every process; the trained weights, unwrapped, in eval mode."""
@@ -712,7 +723,7 @@ def train_dapo(
         return sequence_logprobs(m, [prompts[r.prompt_index] for r in chunk], [r.completion for r in chunk], pad_id)
 
     history: list[dict[str, float]] = []
-    start = run.restore(checkpointer, history)
+    start = run.restore(checkpointer, history, on_step)
     bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc="dapo", disable=not accelerator.is_main_process)
     for step in bar:
         t0 = time.perf_counter()

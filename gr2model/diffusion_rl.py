@@ -204,7 +204,7 @@ def train_diffusion_rl(
         return split_by_columns(widths, cfg.micro_batch_columns)
 
     history: list[dict[str, float]] = []
-    start = run.restore(checkpointer, history)
+    start = run.restore(checkpointer, history, on_step)
     bar = tqdm(
         range(start, cfg.steps), initial=start, total=cfg.steps, desc="diffusion-rl",
         disable=not accelerator.is_main_process,

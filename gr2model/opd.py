@@ -464,7 +464,7 @@ def train_opd(
     world, device = run.world, run.device
 
     history: list[dict[str, float]] = []
-    start = run.restore(checkpointer, history)
+    start = run.restore(checkpointer, history, on_step)
     bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc="opd", disable=not accelerator.is_main_process)
     for step in bar:
         # ---------------------------------------------------------- rollouts

@@ -489,6 +489,7 @@ def run_train_loop(
     last one. A resumed run replays the interrupted epoch's batch order from the
     shuffle state at that epoch's start and skips the batches already done, so
     it ends with the same weights as a run that was never stopped (on a CPU).
+    On a resume, `on_step` first receives the restored history.
 
     Returns:
         (the trained model, unwrapped, in eval mode; the history of emitted
@@ -541,6 +542,9 @@ def run_train_loop(
     if checkpointer is not None:
         checkpointer.attach(accelerator, position, scheduler)
         resumed = checkpointer.restore() > 0
+        if on_step is not None and accelerator.is_main_process:
+            for metrics in history:  # a tracker starting with this process gets the whole curve
+                on_step(metrics)
 
     world = accelerator.num_processes
     step = position.step

@@ -2,6 +2,7 @@
 can SIGKILL itself after a given step (no cleanup, no flush: what `kill -9` does).
 
     python tests/resume_worker.py KIND STATE_DIR OUT KILL_AFTER EVERY_STEPS
+    python tests/resume_worker.py stage STAGE KILL_AFTER_SAVES      (in a stage's workspace)
 
 KIND: sft, cft, dapo or rl (the library loops `train_sft`, `train_cft`, `train_dapo`,
 `train_diffusion_rl` on the tiny setups of tests/tiny.py). KILL_AFTER: the step after
@@ -87,5 +88,25 @@ def main(kind: str, state_dir: str, out: str, kill_after: int, every_steps: int)
     )
 
 
+def stage(module: str, kill_after_saves: int) -> None:
+    """Run the real stage `python -m tasks.<module>` in this process (the cwd is its
+    workspace), SIGKILLed right after its `kill_after_saves`-th state is on disk (0: never)."""
+    import importlib
+
+    real_save = Checkpointer.save
+
+    def save_then_maybe_die(self: Checkpointer, step: int) -> Path:
+        folder = real_save(self, step)
+        if kill_after_saves and self.saves == kill_after_saves:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return folder
+
+    Checkpointer.save = save_then_maybe_die  # type: ignore[method-assign]
+    importlib.import_module(f"tasks.{module}").main()  # what `python -m tasks.<module>` runs
+
+
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))
+    if sys.argv[1] == "stage":
+        stage(sys.argv[2], int(sys.argv[3]))
+    else:
+        main(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))
