@@ -63,7 +63,6 @@ from gr2model.dapo import (
     _update_policy,
     start_policy_run,
 )
-from gr2model.resume import Checkpointer
 from gr2model.diffusion_decode import check_sub_block_size, diffusion_generate
 from gr2model.diffusion_replay import (
     DEFAULT_MAX_COPIES,
@@ -72,6 +71,7 @@ from gr2model.diffusion_replay import (
     split_by_columns,
     trajectories_from_decode,
 )
+from gr2model.resume import Checkpointer
 
 __all__ = ["DiffusionRLConfig", "DiffusionRLResult", "train_diffusion_rl"]
 

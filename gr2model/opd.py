@@ -103,7 +103,6 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from gr2model.block_diffusion import decoding_ids
 from gr2model.bounds import check
 from gr2model.dapo import RewardFn, _zero_grad_forward, response_logits, start_policy_run
-from gr2model.resume import Checkpointer
 from gr2model.diffusion_decode import check_sub_block_size, diffusion_generate
 from gr2model.diffusion_replay import (
     DEFAULT_MAX_COPIES,
@@ -114,6 +113,7 @@ from gr2model.diffusion_replay import (
     split_by_columns,
     trajectories_from_decode,
 )
+from gr2model.resume import Checkpointer
 
 __all__ = [
     "KLKind",
