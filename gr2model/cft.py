@@ -96,6 +96,7 @@ from accelerate import Accelerator
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from gr2model.bounds import FieldRangeError, check
+from gr2model.resume import Checkpointer
 from gr2model.sft import IGNORE_INDEX, SFTConfig, _stats, encode_example, run_train_loop
 
 __all__ = [
@@ -625,6 +626,7 @@ def train_cft(
     on_step: Callable[[dict[str, float]], None] | None = None,
     accelerator: Accelerator | None = None,
     teacher: PreTrainedModel | None = None,
+    checkpointer: Checkpointer | None = None,
 ) -> CFTResult:
     """Conversion fine-tuning of a causal LM on (prompt, response) pairs (module docstring).
 
@@ -655,6 +657,9 @@ def train_cft(
             cfg.kd_weight > 0 (required then; frozen, never updated); it reads
             input_ids (N, P) with a 2D attention_mask and returns logits (N, P, V)
             over the student's vocabulary.
+        checkpointer: resume from its newest state and save as it says
+            (`gr2model.sft.run_train_loop`; the noise is a function of (seed,
+            epoch, example), so a resumed run draws the same masks); None: no state.
     Returns:
         CFTResult (model unwrapped, in eval mode).
     """
@@ -696,5 +701,6 @@ def train_cft(
         valid_every=cfg.valid_every,
         on_step=on_step,
         desc="cft",
+        checkpointer=checkpointer,
     )
     return CFTResult(model=trained, history=history, steps=steps)

@@ -41,6 +41,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from gr2model.ar_decode import ar_generate
 from gr2model.bounds import check
+from gr2model.resume import Checkpointer, generator_state, set_generator_state
 
 __all__ = [
     "DAPOConfig",
@@ -298,6 +299,12 @@ class _PromptStream:
         self.pos = 0
         self.epoch += 1
 
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "order": list(self.order), "pos": self.pos}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.epoch, self.order, self.pos = state["epoch"], list(state["order"]), state["pos"]
+
     def take(self, k: int) -> list[int]:
         out: list[int] = []
         while len(out) < k:
@@ -345,12 +352,59 @@ class PolicyRun:
         t = torch.tensor(values, dtype=torch.float64, device=self.device)
         return self.accelerator.reduce(t, reduction="sum").tolist()
 
+    def restore(
+        self,
+        checkpointer: Checkpointer | None,
+        history: list[dict[str, float]],
+        on_step: Callable[[dict[str, float]], None] | None = None,
+    ) -> int:
+        """Steps already done: those of the checkpointer's newest state, loaded into this
+        run (weights, optimizer, every RNG, the prompt stream, both generators) and
+        `history` (in place); 0 without a checkpointer or a saved state. On a resume the
+        restored history is passed to `on_step` first (main process), so a tracker that
+        starts with this process still records the whole curve.
+
+        The loop then calls `checkpointer.step_done(step + 1, final=...)` after each
+        step. A resumed run draws the same prompts and the same noise as one that
+        was never stopped, so it ends with the same weights (on a CPU).
+        """
+        if checkpointer is None:
+            return 0
+        checkpointer.attach(self.accelerator, _PolicyRunState(self, history))
+        start = checkpointer.restore()
+        if on_step is not None and self.accelerator.is_main_process:
+            for metrics in history:
+                on_step(metrics)
+        return start
+
     def finish(self) -> PreTrainedModel:
         """Wait for every process; the trained weights, unwrapped, in eval mode."""
         self.accelerator.wait_for_everyone()
         trained = self.accelerator.unwrap_model(self.model)
         trained.eval()
         return trained
+
+
+class _PolicyRunState:
+    """A `PolicyRun`'s own resumable state (`gr2model.resume.Stateful`): the prompt
+    stream, the sampling and shuffling generators (per process) and the emitted history."""
+
+    def __init__(self, run: PolicyRun, history: list[dict[str, float]]) -> None:
+        self.run, self.history = run, history
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "stream": self.run.stream.state_dict(),
+            "sample_gen": generator_state(self.run.sample_gen),
+            "shuffle_gen": generator_state(self.run.shuffle_gen),
+            "history": list(self.history),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.run.stream.load_state_dict(state["stream"])
+        set_generator_state(self.run.sample_gen, state["sample_gen"])
+        set_generator_state(self.run.shuffle_gen, state["shuffle_gen"])
+        self.history[:] = state["history"]
 
 
 def start_policy_run(
@@ -608,6 +662,7 @@ def train_dapo(
     *,
     on_step: Callable[[dict[str, float]], None] | None = None,
     accelerator: Accelerator | None = None,
+    checkpointer: Checkpointer | None = None,
 ) -> DAPOResult:
     """Train a policy with DAPO against `reward_fn` (no KL penalty, no reference model).
 
@@ -641,6 +696,8 @@ def train_dapo(
             the sampled completions (under its own name, or `info_<name>` if that
             name is taken).
         accelerator: the Accelerator to run under (a default one when None).
+        checkpointer: resume from its newest state and save after the steps it
+            says are due and after the last (`PolicyRun.restore`); None: no state.
     Returns:
         DAPOResult (model unwrapped, eval mode).
     """
@@ -666,7 +723,8 @@ def train_dapo(
         return sequence_logprobs(m, [prompts[r.prompt_index] for r in chunk], [r.completion for r in chunk], pad_id)
 
     history: list[dict[str, float]] = []
-    bar = tqdm(range(cfg.steps), desc="dapo", disable=not accelerator.is_main_process)
+    start = run.restore(checkpointer, history, on_step)
+    bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc="dapo", disable=not accelerator.is_main_process)
     for step in bar:
         t0 = time.perf_counter()
         samples = _sample_step(
@@ -704,5 +762,7 @@ def train_dapo(
             if on_step is not None:
                 on_step(metrics)
             bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", kept=samples.kept_groups)
+        if checkpointer is not None:
+            checkpointer.step_done(step + 1, final=step + 1 == cfg.steps)
     bar.close()
     return DAPOResult(model=run.finish(), history=history)

@@ -71,6 +71,7 @@ from gr2model.diffusion_replay import (
     split_by_columns,
     trajectories_from_decode,
 )
+from gr2model.resume import Checkpointer
 
 __all__ = ["DiffusionRLConfig", "DiffusionRLResult", "train_diffusion_rl"]
 
@@ -128,6 +129,7 @@ def train_diffusion_rl(
     *,
     on_step: Callable[[dict[str, float]], None] | None = None,
     accelerator: Accelerator | None = None,
+    checkpointer: Checkpointer | None = None,
 ) -> DiffusionRLResult:
     """Train a block-diffusion policy with trajectory-level DAPO against `reward_fn`.
 
@@ -159,6 +161,8 @@ def train_diffusion_rl(
             tokens per decoder forward, per rollout, over every sampled
             rollout) and canvases_per_rollout (replayed canvases of the kept ones).
         accelerator: the Accelerator to run under (a default one when None).
+        checkpointer: resume from its newest state and save as it says
+            (`gr2model.dapo.PolicyRun.restore`); None: no state.
     Returns:
         DiffusionRLResult (model unwrapped, eval mode).
     """
@@ -200,7 +204,11 @@ def train_diffusion_rl(
         return split_by_columns(widths, cfg.micro_batch_columns)
 
     history: list[dict[str, float]] = []
-    bar = tqdm(range(cfg.steps), desc="diffusion-rl", disable=not accelerator.is_main_process)
+    start = run.restore(checkpointer, history, on_step)
+    bar = tqdm(
+        range(start, cfg.steps), initial=start, total=cfg.steps, desc="diffusion-rl",
+        disable=not accelerator.is_main_process,
+    )
     for step in bar:
         t0 = time.perf_counter()
         decode_tally[:] = [0.0, 0.0]
@@ -245,6 +253,8 @@ def train_diffusion_rl(
             if on_step is not None:
                 on_step(metrics)
             bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", kept=samples.kept_groups)
+        if checkpointer is not None:
+            checkpointer.step_done(step + 1, final=step + 1 == cfg.steps)
     bar.close()
     return DiffusionRLResult(model=run.finish(), history=history)
 

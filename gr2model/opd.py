@@ -113,6 +113,7 @@ from gr2model.diffusion_replay import (
     split_by_columns,
     trajectories_from_decode,
 )
+from gr2model.resume import Checkpointer
 
 __all__ = [
     "KLKind",
@@ -411,6 +412,7 @@ def train_opd(
     reward_fn: RewardFn | None = None,
     on_step: Callable[[dict[str, float]], None] | None = None,
     accelerator: Accelerator | None = None,
+    checkpointer: Checkpointer | None = None,
 ) -> OPDResult:
     """Distil `teacher` into the block-diffusion `student` on the student's own rollouts.
 
@@ -443,6 +445,8 @@ def train_opd(
             replay_rows, replay_columns, grad_norm, lr, rollout_s, teacher_s,
             update_s (and reward_mean + info keys with reward_fn).
         accelerator: the Accelerator to run under (a default one when None).
+        checkpointer: resume from its newest state and save as it says
+            (`gr2model.dapo.PolicyRun.restore`); None: no state.
     Returns:
         OPDResult (student unwrapped, eval mode).
     """
@@ -460,7 +464,8 @@ def train_opd(
     world, device = run.world, run.device
 
     history: list[dict[str, float]] = []
-    bar = tqdm(range(cfg.steps), desc="opd", disable=not accelerator.is_main_process)
+    start = run.restore(checkpointer, history, on_step)
+    bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc="opd", disable=not accelerator.is_main_process)
     for step in bar:
         # ---------------------------------------------------------- rollouts
         t0 = time.perf_counter()
@@ -581,6 +586,8 @@ def train_opd(
             if on_step is not None:
                 on_step(metrics)
             bar.set_postfix(kl=f"{metrics['kl']:.4f}")
+        if checkpointer is not None:
+            checkpointer.step_done(step + 1, final=step + 1 == cfg.steps)
     bar.close()
     return OPDResult(model=run.finish(), history=history)
 

@@ -25,7 +25,7 @@ import functools
 import logging
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -38,6 +38,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from gr2model.bounds import FieldRangeError, check
 from gr2model.rerank_format import EXPLANATION_KEY
+from gr2model.resume import Checkpointer, generator_state, set_generator_state
 
 __all__ = [
     "IGNORE_INDEX",
@@ -373,6 +374,71 @@ class LengthGroupedBatches:
             yield batches[b]
 
 
+class _TrainPosition:
+    """`run_train_loop`'s own resumable state (`gr2model.resume.Stateful`).
+
+    step: optimizer steps done; epoch, batch: the current epoch and the batches of
+    it done; epoch_start: the shuffle state when the epoch's iterator was made (the
+    DataLoader generator's state, or `LengthGroupedBatches`' pass number), from
+    which the epoch's order is drawn again on resume; history: the emitted metrics
+    (the list `run_train_loop` returns, updated in place).
+    """
+
+    def __init__(
+        self,
+        history: list[dict[str, float]],
+        shuffle_gen: torch.Generator | None,
+        grouped: LengthGroupedBatches | None,
+    ) -> None:
+        self.history = history
+        self._gen = shuffle_gen
+        self._grouped = grouped
+        self.step = self.epoch = self.batch = 0
+        self.epoch_start: torch.Tensor | int | None = None
+
+    def begin_epoch(self, epoch: int) -> None:
+        self.epoch, self.batch = epoch, 0
+        self.epoch_start = self._grouped._epoch if self._grouped is not None else generator_state(self._gen)
+
+    def rewind_epoch(self) -> None:
+        if self._grouped is not None:
+            self._grouped._epoch = int(self.epoch_start)
+        else:
+            set_generator_state(self._gen, self.epoch_start)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "step": self.step, "epoch": self.epoch, "batch": self.batch, "epoch_start": self.epoch_start,
+            "history": list(self.history),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step, self.epoch, self.batch = state["step"], state["epoch"], state["batch"]
+        self.epoch_start = state["epoch_start"]
+        self.history[:] = state["history"]
+
+
+def _skip_batches(loader: Any, n: int) -> Iterator[Any]:
+    """An iterator over `loader` past its first `n` batches, with the global RNG as if
+    none had been drawn.
+
+    The restored global RNG state is the one after the last finished step, which
+    already includes what making this epoch's iterator drew (a DataLoader without
+    its own generator seeds its workers from the global RNG); skipping re-makes the
+    iterator, so the draws it makes are undone. The skipped batches are collated
+    and dropped: cheap next to a forward, and it keeps the sampler's draws exact.
+    """
+    cpu_state = torch.get_rng_state()
+    cuda_states = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    it = iter(loader)
+    for _ in range(n):
+        next(it)
+    torch.set_rng_state(cpu_state)
+    if cuda_states is not None:
+        torch.cuda.set_rng_state_all(cuda_states)
+    return it
+
+
 class LoopConfig(Protocol):
     """What `run_train_loop` reads of a trainer's config (SFTConfig, CFTConfig)."""
 
@@ -398,6 +464,7 @@ def run_train_loop(
     on_step: Callable[[dict[str, float]], None] | None = None,
     desc: str = "train",
     lengths: Sequence[int] | None = None,
+    checkpointer: Checkpointer | None = None,
 ) -> tuple[PreTrainedModel, list[dict[str, float]], int]:
     """The accelerate training loop shared by `train_sft` and `gr2model.cft.train_cft`.
 
@@ -416,22 +483,32 @@ def run_train_loop(
     lengths: the examples' lengths; when given, batches group examples of
     similar length (`LengthGroupedBatches`) instead of a plain shuffle.
 
+    checkpointer: when given, the loop starts from its newest saved state (model,
+    optimizer, scheduler, RNG states, data position, history; see
+    `gr2model.resume`) and saves after the steps it says are due and after the
+    last one. A resumed run replays the interrupted epoch's batch order from the
+    shuffle state at that epoch's start and skips the batches already done, so
+    it ends with the same weights as a run that was never stopped (on a CPU).
+    On a resume, `on_step` first receives the restored history.
+
     Returns:
         (the trained model, unwrapped, in eval mode; the history of emitted
         metrics, empty off the main process; the number of optimizer steps).
     """
     # A seeded generator makes the shuffle order a function of cfg.seed;
     # accelerate syncs this generator's state across processes every epoch.
+    grouped: LengthGroupedBatches | None = None
+    shuffle_gen: torch.Generator | None = None
     if lengths is not None:
-        loader = DataLoader(
-            dataset, batch_sampler=LengthGroupedBatches(lengths, cfg.batch_size, cfg.seed), collate_fn=collate_fn
-        )
+        grouped = LengthGroupedBatches(lengths, cfg.batch_size, cfg.seed)
+        loader = DataLoader(dataset, batch_sampler=grouped, collate_fn=collate_fn)
     else:
+        shuffle_gen = torch.Generator().manual_seed(cfg.seed)
         loader = DataLoader(
             dataset,
             batch_size=cfg.batch_size,
             shuffle=True,
-            generator=torch.Generator().manual_seed(cfg.seed),
+            generator=shuffle_gen,
             collate_fn=collate_fn,
         )
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
@@ -460,12 +537,27 @@ def run_train_loop(
         emit({"step": float(step), "epoch": float(epoch), **_split_metrics(vstats, "valid_")})
         model.train()
 
+    position = _TrainPosition(history, shuffle_gen, grouped)
+    resumed = False
+    if checkpointer is not None:
+        checkpointer.attach(accelerator, position, scheduler)
+        resumed = checkpointer.restore() > 0
+        if on_step is not None and accelerator.is_main_process:
+            for metrics in history:  # a tracker starting with this process gets the whole curve
+                on_step(metrics)
+
     world = accelerator.num_processes
-    step = 0
-    bar = tqdm(total=total_steps, desc=desc, disable=not accelerator.is_main_process)
-    for epoch in range(cfg.epochs):
+    step = position.step
+    bar = tqdm(total=total_steps, initial=step, desc=desc, disable=not accelerator.is_main_process)
+    for epoch in range(position.epoch, cfg.epochs):
         model.train()
-        for batch in loader:
+        if resumed and epoch == position.epoch:
+            position.rewind_epoch()  # the interrupted epoch: its order again, minus what was done
+            batches = _skip_batches(loader, position.batch)
+        else:
+            position.begin_epoch(epoch)
+            batches = iter(loader)
+        for batch in batches:
             t0 = time.perf_counter()
             lr = scheduler.get_last_lr()[0]
             weighted, stats, n_tokens = loss_sums(model, batch, epoch)
@@ -481,6 +573,7 @@ def run_train_loop(
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             step += 1
+            position.step, position.batch = step, position.batch + 1
             seconds = time.perf_counter() - t0
             metrics = {"step": float(step), "epoch": float(epoch), **_split_metrics(totals[:6])}
             metrics.update(lr=lr, grad_norm=grad_norm, tokens_per_s=float(totals[6]) / max(seconds, 1e-9))
@@ -489,6 +582,8 @@ def run_train_loop(
             bar.set_postfix(loss=f"{metrics['loss']:.4f}")
             if valid_stats is not None and valid_every and step % valid_every == 0:
                 validate(epoch)
+            if checkpointer is not None:
+                checkpointer.step_done(step, final=step == total_steps)
         if valid_stats is not None and not (valid_every and step % valid_every == 0):
             validate(epoch)  # once per epoch, unless a step validation just ran
     bar.close()
@@ -524,6 +619,7 @@ def train_sft(
     valid: Sequence[tuple[str, str]] | None = None,
     on_step: Callable[[dict[str, float]], None] | None = None,
     accelerator: Accelerator | None = None,
+    checkpointer: Checkpointer | None = None,
 ) -> SFTResult:
     """Fine-tune a causal LM on (prompt, response) pairs with `weighted_lm_loss`.
 
@@ -547,6 +643,8 @@ def train_sft(
             valid_reasoning_loss, valid_answer_loss). reasoning_loss and
             answer_loss are plain mean NLLs over those tokens (unweighted).
         accelerator: the Accelerator to run under (a default one when None).
+        checkpointer: resume from its newest state and save as it says (see
+            `run_train_loop`); None: no state is saved.
     Returns:
         SFTResult (model unwrapped, in eval mode).
     """
@@ -569,5 +667,6 @@ def train_sft(
         valid_stats=(lambda m: _valid_stats(m, valid_enc, cfg, pad_id, accelerator)) if valid_enc else None,
         on_step=on_step,
         desc="sft",
+        checkpointer=checkpointer,
     )
     return SFTResult(model=trained, history=history, steps=steps)

@@ -26,7 +26,7 @@ from gr2model.rerank_eval import prompts_of, rerank_examples
 from gr2model.rerank_format import FormatConfig, ItemText, parse_response
 from gr2model.rewards import RewardConfig, rerank_reward
 from tasks.traces import load_format, load_lists
-from tasks.common import Cap, NonNegative, Penalty, Seed, StageConfig, atomic_dir, stage_main, timed
+from tasks.common import Cap, NonNegative, Penalty, Seed, StageConfig, StageResume, atomic_dir, stage_main, timed
 from tasks.tracking import StageTracker
 
 STAGE = "ar_rl"
@@ -102,7 +102,9 @@ def rewarded_prompts(root: Path, tok: Any, max_prompts: int, rcfg: RewardConfig)
     return prompts, make_reward_fn(tok, examples, items, rcfg, fmt)
 
 
-def run(cfg: ArRlConfig, root: Path, log: logging.Logger, tracker: StageTracker) -> dict[str, Any]:
+def run(
+    cfg: ArRlConfig, root: Path, log: logging.Logger, tracker: StageTracker, resume: StageResume | None = None
+) -> dict[str, Any]:
     timings: dict[str, float] = {}
     start = time.perf_counter()
     torch.manual_seed(cfg.seed)
@@ -114,7 +116,7 @@ def run(cfg: ArRlConfig, root: Path, log: logging.Logger, tracker: StageTracker)
     with timed(log, f"DAPO: {dcfg.steps} steps x {dcfg.prompts_per_step} prompts x {dcfg.group_size} samples", timings, "train_s"):
         result = train_dapo(
             model, tok, prompts, reward_fn, dcfg,
-            on_step=tracker.log_step,
+            on_step=tracker.log_step, checkpointer=resume.checkpointer() if resume else None,
         )
     with atomic_dir(root / CHECKPOINT) as out:
         save_hf_checkpoint(out, result.model, tok, {"stage": STAGE, "from": str(SFT_CHECKPOINT), "sft": read_stage_config(root / SFT_CHECKPOINT), STAGE: cfg.model_dump()})
@@ -129,7 +131,7 @@ def run(cfg: ArRlConfig, root: Path, log: logging.Logger, tracker: StageTracker)
 
 
 def main() -> None:
-    stage_main(STAGE, CONFIG, run, METRICS)
+    stage_main(STAGE, CONFIG, run, METRICS, resumable=True)
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ import torch
 from gr2model.block_diffusion import convert_to_block_diffusion
 from gr2model.cft import CFTConfig, train_cft
 from gr2model.checkpoint import load_hf_checkpoint, read_stage_config, save_hf_checkpoint
-from tasks.common import Cap, Fraction, Seed, StageConfig, atomic_dir, stage_main, timed
+from tasks.common import Cap, Fraction, Seed, StageConfig, StageResume, atomic_dir, stage_main, timed
 from tasks.tracking import StageTracker
 
 STAGE = "cft"
@@ -51,7 +51,9 @@ class CftStageConfig(StageConfig):
 CONFIG = CftStageConfig
 
 
-def run(cfg: CftStageConfig, root: Path, log: logging.Logger, tracker: StageTracker) -> dict[str, Any]:
+def run(
+    cfg: CftStageConfig, root: Path, log: logging.Logger, tracker: StageTracker, resume: StageResume | None = None
+) -> dict[str, Any]:
     """Convert `checkpoints/gr2`, fine-tune on the trajectories, save `checkpoints/dgr2-cft`."""
     timings: dict[str, float] = {}
     start = time.perf_counter()
@@ -79,7 +81,10 @@ def run(cfg: CftStageConfig, root: Path, log: logging.Logger, tracker: StageTrac
     teacher = ar_model if ccfg.kd_weight > 0 else None
     del ar_model
     with timed(log, f"CFT for {ccfg.epochs} epochs (block size {ccfg.block_size}, kd_weight {ccfg.kd_weight})", timings, "train_s"):
-        result = train_cft(model, tok, train, ccfg, valid=valid or None, on_step=tracker.log_step, teacher=teacher)
+        result = train_cft(
+            model, tok, train, ccfg, valid=valid or None, on_step=tracker.log_step, teacher=teacher,
+            checkpointer=resume.checkpointer() if resume else None,
+        )
     lineage = read_stage_config(root / GR2)
     with atomic_dir(root / CHECKPOINT) as out:
         save_hf_checkpoint(out, result.model, tok, {"stage": STAGE, **cfg.model_dump(), "converted_from": lineage})
@@ -100,7 +105,7 @@ def run(cfg: CftStageConfig, root: Path, log: logging.Logger, tracker: StageTrac
 
 
 def main() -> None:
-    stage_main(STAGE, CONFIG, run, METRICS)
+    stage_main(STAGE, CONFIG, run, METRICS, resumable=True)
 
 
 if __name__ == "__main__":

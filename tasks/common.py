@@ -7,6 +7,7 @@ runs the same command through DVC, so there is one way to run a stage.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -17,12 +18,15 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import yaml
 from pydantic import BaseModel, Field, ValidationError
 
 from gr2model.bounds import FieldRangeError
+
+if TYPE_CHECKING:  # torch and accelerate load only in the training stages, not in the gr2 CLI
+    from gr2model.resume import Checkpointer
 
 STAGES: tuple[str, ...] = (
     "prepare",
@@ -63,6 +67,14 @@ Fraction = Annotated[float, Field(ge=0, lt=1, allow_inf_nan=False)]
 """A held-out share: 0 holds out nothing, 1 would leave nothing to train on."""
 
 
+RESUME_SECTION = "resume"
+"""The params.yaml section of the resumable-training knobs (not a stage: no DVC params dep,
+since how often state is saved changes no output)."""
+RESUME_DIR = Path(".gr2/resume")
+"""Where training stages keep their saved states: `<workspace>/.gr2/resume/<stage>/<key>/`,
+outside every DVC output (git ignores `.gr2/`)."""
+
+
 class ParamsError(ValueError):
     """A params.yaml problem; the message names the file and the offending field."""
 
@@ -71,6 +83,18 @@ class StageConfig(BaseModel):
     """Base of every stage's typed config: unknown keys are errors, not silently ignored."""
 
     model_config = {"extra": "forbid", "frozen": True}
+
+
+class ResumeConfig(StageConfig):
+    """How often a training stage saves its full state (`gr2model.resume.Checkpointer`).
+
+    A state is saved after every `every_steps` optimizer (or RL) steps and whenever
+    `every_minutes` passed since the last save, and after the last step; both 0: no
+    state at all (a killed stage starts over).
+    """
+
+    every_steps: Cap = 200  # 0: not by count
+    every_minutes: NonNegative = 10.0  # 0: not by time
 
 
 def read_params(path: Path = Path(PARAMS_FILE)) -> dict[str, Any]:
@@ -110,6 +134,125 @@ def load_stage_config(stage: str, model: type[C], path: Path = Path(PARAMS_FILE)
             got = "" if inner is not None or isinstance(err.get("input"), (dict, list)) else f" (input {err.get('input')!r})"
             lines.append(f"{path}: {field}: {err['msg']}{got}")
         raise ParamsError("\n".join(lines)) from exc
+
+
+def load_resume_config(path: Path = Path(PARAMS_FILE)) -> ResumeConfig:
+    """The `resume` section of params.yaml (defaults when the section is absent)."""
+    if RESUME_SECTION not in read_params(path):
+        return ResumeConfig()
+    return load_stage_config(RESUME_SECTION, ResumeConfig, path)
+
+
+def _md5_of(path: Path) -> str:
+    """md5 of a file, or of a folder's files (relative names and contents, sorted); "missing" if absent."""
+    digest = hashlib.md5()
+    if path.is_file():
+        files = [(path.name, path)]
+    elif path.is_dir():
+        files = sorted((p.relative_to(path).as_posix(), p) for p in path.rglob("*") if p.is_file())
+    else:
+        return "missing"
+    for name, file in files:
+        digest.update(name.encode() + b"\0")
+        with open(file, "rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 20), b""):
+                digest.update(chunk)
+        digest.update(b"\0")
+    return digest.hexdigest()
+
+
+def stage_inputs(root: Path, stage: str) -> dict[str, str]:
+    """md5 of each of `stage`'s DVC deps (dvc.yaml: data, checkpoints, code), by path.
+
+    Hashed by content, not by time: DVC may check the same content out again.
+    Empty without a dvc.yaml (a stage run outside a project).
+    """
+    dvc_file = root / "dvc.yaml"
+    if not dvc_file.exists():
+        return {}
+    deps = (yaml.safe_load(dvc_file.read_text()).get("stages", {}).get(stage) or {}).get("deps", [])
+    return {dep: _md5_of(root / dep) for dep in deps}
+
+
+def _flat(d: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(d, dict):
+        return {prefix: d}
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        out.update(_flat(v, f"{prefix}.{k}" if prefix else str(k)))
+    return out
+
+
+class StageResume:
+    """Where a training stage keeps its resumable states, and whether they fit this run.
+
+    The folder is `<root>/.gr2/resume/<stage>/<key>`, the key a hash of the stage's
+    params and the md5 of its inputs (`stage_inputs`), with a `manifest.json` of both.
+    Opening it removes the states of other keys, logging what differs (a rerun with
+    other params or inputs starts fresh and says why). `checkpointer(name)` gives
+    each training loop of the stage its own `gr2model.resume.Checkpointer`, which
+    resumes from the newest state and logs it; `clear()` removes the stage's states
+    once its outputs are written.
+    """
+
+    def __init__(self, root: Path, stage: str, params: dict[str, Any], cfg: ResumeConfig, log: logging.Logger) -> None:
+        self.stage, self.cfg, self.log = stage, cfg, log
+        self.manifest = {"params": params, "inputs": stage_inputs(root, stage)}
+        self.key = hashlib.sha256(json.dumps(self.manifest, sort_keys=True, default=str).encode()).hexdigest()[:16]
+        self.stage_dir = root / RESUME_DIR / stage
+        self.folder = self.stage_dir / self.key
+        self.checkpointers: dict[str, Checkpointer] = {}
+        self._drop_other_keys()
+        write_json_atomic(self.manifest, self.folder / "manifest.json")
+
+    @property
+    def enabled(self) -> bool:
+        return self.cfg.every_steps > 0 or self.cfg.every_minutes > 0
+
+    def _drop_other_keys(self) -> None:
+        if not self.stage_dir.is_dir():
+            return
+        for other in sorted(p for p in self.stage_dir.iterdir() if p.is_dir() and p.name != self.key):
+            if any(other.rglob("step-*")):
+                self.log.warning("%s: saved training state in %s not used: %s; starting fresh", self.stage, other, self._why(other))
+            shutil.rmtree(other, ignore_errors=True)
+
+    def _why(self, other: Path) -> str:
+        """What differs between another key's manifest and this run's."""
+        try:
+            theirs = json.loads((other / "manifest.json").read_text())
+        except (OSError, ValueError):
+            return "it has no readable manifest"
+        reasons = []
+        for part, what in (("params", "params changed"), ("inputs", "inputs changed")):
+            mine, old = _flat(self.manifest[part]), _flat(theirs.get(part, {}))
+            changed = sorted(k for k in mine.keys() | old.keys() if mine.get(k) != old.get(k))
+            if changed:
+                reasons.append(f"{what}: {', '.join(changed[:8])}{' ...' if len(changed) > 8 else ''}")
+        return "; ".join(reasons) or "its key differs"
+
+    def checkpointer(self, name: str = "train") -> Checkpointer | None:
+        """The Checkpointer of the stage's training loop `name` (None when resuming is off)."""
+        from gr2model.resume import Checkpointer
+
+        if not self.enabled:
+            return None
+        ckpt = Checkpointer(
+            self.folder / name,
+            every_steps=self.cfg.every_steps,
+            every_seconds=self.cfg.every_minutes * 60.0,
+            logger=self.log,
+        )
+        self.checkpointers[name] = ckpt
+        return ckpt
+
+    def resumed(self) -> dict[str, int]:
+        """The loops that resumed, with the step each resumed from."""
+        return {name: c.resumed_from for name, c in self.checkpointers.items() if c.resumed_from is not None}
+
+    def clear(self) -> None:
+        """Remove every saved state of the stage (its outputs are written)."""
+        shutil.rmtree(self.stage_dir, ignore_errors=True)
 
 
 def write_text_atomic(text: str, path: Path) -> None:
@@ -175,11 +318,17 @@ def timed(log: logging.Logger, what: str, into: dict[str, float] | None = None, 
         into[key] = round(seconds, 2)
 
 
-def stage_main(stage: str, config_cls: type[C], run: Callable[..., dict[str, Any]], metrics_path: Path) -> None:
+def stage_main(
+    stage: str, config_cls: type[C], run: Callable[..., dict[str, Any]], metrics_path: Path, *, resumable: bool = False
+) -> None:
     """The `main()` of every stage: typed params in, one MLflow run, `metrics/<stage>.json` out.
 
     `run(cfg, root, log, tracker)` does the work and returns the metrics. Expected
     input errors (bad data, bad params) end with a one-line message and exit code 2.
+    A `resumable` (training) stage is also given `resume=StageResume(...)`: its loops
+    save their state as params.yaml `resume:` says and a rerun with the same params and
+    inputs continues from the newest one; the states are removed once the metrics
+    are written.
     """
     from gr2model.data import DataError
     from tasks.tracking import stage_run
@@ -188,10 +337,21 @@ def stage_main(stage: str, config_cls: type[C], run: Callable[..., dict[str, Any
     try:
         cfg = load_stage_config(stage, config_cls)
         root = Path.cwd()
+        extra: dict[str, Any] = {}
+        if resumable:
+            # Read (and checked) before any work, like the stage's own params.
+            rcfg = load_resume_config()
+            extra["resume"] = StageResume(root, stage, cfg.model_dump(mode="json"), rcfg, log)
         with stage_run(stage, cfg.model_dump()) as tracker:
-            metrics = run(cfg, root, log, tracker)
+            metrics = run(cfg, root, log, tracker, **extra)
             write_json_atomic(metrics, root / metrics_path)
             tracker.log_metrics(metrics)
+            if resumable:
+                resumed = extra["resume"].resumed()
+                if resumed:
+                    tracker.set_tags({f"gr2.resumed_from_step.{name}": step for name, step in resumed.items()})
+                    log.warning("%s finished after resuming (%s)", stage, ", ".join(f"{n} from step {s}" for n, s in resumed.items()))
+                extra["resume"].clear()
     except (DataError, ParamsError) as exc:
         log.error("%s", exc)
         sys.exit(2)

@@ -41,7 +41,7 @@ from gr2model.midtrain import (
 from gr2model.sft import SFTConfig, _loss_sums, collate_right_padded, run_train_loop
 from gr2model.teacher import TRACE_WORDS
 from gr2model.tokenizer import build_tokenizer, extend_pretrained_tokenizer, special_ids
-from tasks.common import Seed, StageConfig, atomic_dir, stage_main, timed
+from tasks.common import Seed, StageConfig, StageResume, atomic_dir, stage_main, timed
 from tasks.tracking import StageTracker
 from tasks.traces import load_format
 
@@ -89,7 +89,9 @@ def build_model_and_tokenizer(
     return model, tok
 
 
-def run(cfg: MidtrainConfig, root: Path, log: logging.Logger, tracker: StageTracker) -> dict[str, Any]:
+def run(
+    cfg: MidtrainConfig, root: Path, log: logging.Logger, tracker: StageTracker, resume: StageResume | None = None
+) -> dict[str, Any]:
     """Mid-train from scratch (or a pretrained LM), evaluate next-item retrieval, save `checkpoints/gr2-base`."""
     timings: dict[str, float] = {}
     start = time.perf_counter()
@@ -137,6 +139,7 @@ def run(cfg: MidtrainConfig, root: Path, log: logging.Logger, tracker: StageTrac
             on_step=tracker.log_step,
             desc="midtrain",
             lengths=[len(e["input_ids"]) for e in encoded] if cfg.group_by_length else None,
+            checkpointer=resume.checkpointer() if resume else None,
         )
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model.to(device)
@@ -175,7 +178,7 @@ def run(cfg: MidtrainConfig, root: Path, log: logging.Logger, tracker: StageTrac
 
 
 def main() -> None:
-    stage_main(STAGE, CONFIG, run, METRICS)
+    stage_main(STAGE, CONFIG, run, METRICS, resumable=True)
 
 
 if __name__ == "__main__":

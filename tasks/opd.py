@@ -24,7 +24,7 @@ from gr2model.checkpoint import load_hf_checkpoint, read_stage_config, save_hf_c
 from gr2model.opd import OPDConfig, train_opd
 from gr2model.rewards import RewardConfig
 from tasks.ar_rl import first_last_summary, rewarded_prompts
-from tasks.common import Cap, Seed, StageConfig, atomic_dir, stage_main, timed
+from tasks.common import Cap, Seed, StageConfig, StageResume, atomic_dir, stage_main, timed
 from tasks.tracking import StageTracker
 
 STAGE = "opd"
@@ -44,7 +44,9 @@ class OpdStageConfig(StageConfig):
 CONFIG = OpdStageConfig
 
 
-def run(cfg: OpdStageConfig, root: Path, log: logging.Logger, tracker: StageTracker) -> dict[str, Any]:
+def run(
+    cfg: OpdStageConfig, root: Path, log: logging.Logger, tracker: StageTracker, resume: StageResume | None = None
+) -> dict[str, Any]:
     """Distil GR2 into `checkpoints/dgr2-cft` on its own rollouts; save `checkpoints/dgr2-opd`."""
     timings: dict[str, float] = {}
     start = time.perf_counter()
@@ -54,7 +56,10 @@ def run(cfg: OpdStageConfig, root: Path, log: logging.Logger, tracker: StageTrac
     prompts, reward_fn = rewarded_prompts(root, tok, cfg.max_prompts, RewardConfig())
     ocfg = cfg.train
     with timed(log, f"OPD: {ocfg.steps} steps x {ocfg.prompts_per_step} prompts x {ocfg.rollouts_per_prompt} rollouts ({ocfg.kind} KL)", timings, "train_s"):
-        result = train_opd(student, teacher, tok, prompts, ocfg, reward_fn=reward_fn, on_step=tracker.log_step)
+        result = train_opd(
+            student, teacher, tok, prompts, ocfg, reward_fn=reward_fn, on_step=tracker.log_step,
+            checkpointer=resume.checkpointer() if resume else None,
+        )
     with atomic_dir(root / CHECKPOINT) as out:
         save_hf_checkpoint(out, result.model, tok, {"stage": STAGE, "from": str(STUDENT), "teacher": str(TEACHER), "cft": read_stage_config(root / STUDENT), STAGE: cfg.model_dump()})
     keys = sorted({k for h in result.history for k in h} & {"kl", "reward_mean", "format", "valid", "copy", "hit1", "tokens_per_forward"})
@@ -69,7 +74,7 @@ def run(cfg: OpdStageConfig, root: Path, log: logging.Logger, tracker: StageTrac
 
 
 def main() -> None:
-    stage_main(STAGE, CONFIG, run, METRICS)
+    stage_main(STAGE, CONFIG, run, METRICS, resumable=True)
 
 
 if __name__ == "__main__":

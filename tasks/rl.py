@@ -23,7 +23,7 @@ from gr2model.checkpoint import load_hf_checkpoint, read_stage_config, save_hf_c
 from gr2model.diffusion_rl import DiffusionRLConfig, train_diffusion_rl
 from gr2model.rewards import RewardConfig
 from tasks.ar_rl import first_last_summary, rewarded_prompts
-from tasks.common import Cap, NonNegative, Penalty, Seed, StageConfig, atomic_dir, stage_main, timed
+from tasks.common import Cap, NonNegative, Penalty, Seed, StageConfig, StageResume, atomic_dir, stage_main, timed
 from tasks.tracking import StageTracker
 
 STAGE = "rl"
@@ -44,7 +44,9 @@ class RlStageConfig(StageConfig):
 CONFIG = RlStageConfig
 
 
-def run(cfg: RlStageConfig, root: Path, log: logging.Logger, tracker: StageTracker) -> dict[str, Any]:
+def run(
+    cfg: RlStageConfig, root: Path, log: logging.Logger, tracker: StageTracker, resume: StageResume | None = None
+) -> dict[str, Any]:
     """RL of `checkpoints/dgr2-opd` against the re-ranking reward; save `checkpoints/dgr2`."""
     timings: dict[str, float] = {}
     start = time.perf_counter()
@@ -54,7 +56,10 @@ def run(cfg: RlStageConfig, root: Path, log: logging.Logger, tracker: StageTrack
     prompts, reward_fn = rewarded_prompts(root, tok, cfg.max_prompts, reward)
     rcfg = cfg.train
     with timed(log, f"diffusion RL: {rcfg.steps} steps x {rcfg.prompts_per_step} prompts x {rcfg.group_size} rollouts", timings, "train_s"):
-        result = train_diffusion_rl(model, tok, prompts, reward_fn, rcfg, on_step=tracker.log_step)
+        result = train_diffusion_rl(
+            model, tok, prompts, reward_fn, rcfg, on_step=tracker.log_step,
+            checkpointer=resume.checkpointer() if resume else None,
+        )
     with atomic_dir(root / CHECKPOINT) as out:
         save_hf_checkpoint(out, result.model, tok, {"stage": STAGE, "from": str(START), "opd": read_stage_config(root / START), STAGE: cfg.model_dump()})
     return {
@@ -67,7 +72,7 @@ def run(cfg: RlStageConfig, root: Path, log: logging.Logger, tracker: StageTrack
 
 
 def main() -> None:
-    stage_main(STAGE, CONFIG, run, METRICS)
+    stage_main(STAGE, CONFIG, run, METRICS, resumable=True)
 
 
 if __name__ == "__main__":

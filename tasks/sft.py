@@ -23,7 +23,7 @@ import torch
 from gr2model.ar_model import count_parameters
 from gr2model.checkpoint import load_hf_checkpoint, read_stage_config, save_hf_checkpoint
 from gr2model.sft import SFTConfig, train_sft
-from tasks.common import Cap, Fraction, Seed, StageConfig, atomic_dir, stage_main, timed
+from tasks.common import Cap, Fraction, Seed, StageConfig, StageResume, atomic_dir, stage_main, timed
 from tasks.tracking import StageTracker
 
 STAGE = "sft"
@@ -45,7 +45,9 @@ class SftStageConfig(StageConfig):
 CONFIG = SftStageConfig
 
 
-def run(cfg: SftStageConfig, root: Path, log: logging.Logger, tracker: StageTracker) -> dict[str, Any]:
+def run(
+    cfg: SftStageConfig, root: Path, log: logging.Logger, tracker: StageTracker, resume: StageResume | None = None
+) -> dict[str, Any]:
     """Train on the kept traces and save `checkpoints/gr2-sft`; returns the stage metrics."""
     timings: dict[str, float] = {}
     start = time.perf_counter()
@@ -67,7 +69,10 @@ def run(cfg: SftStageConfig, root: Path, log: logging.Logger, tracker: StageTrac
 
     scfg = cfg.train
     with timed(log, f"SFT for {scfg.epochs} epochs", timings, "train_s"):
-        result = train_sft(model, tok, train, scfg, valid=valid or None, on_step=tracker.log_step)
+        result = train_sft(
+            model, tok, train, scfg, valid=valid or None, on_step=tracker.log_step,
+            checkpointer=resume.checkpointer() if resume else None,
+        )
     with atomic_dir(root / CHECKPOINT) as out:
         save_hf_checkpoint(out, result.model, tok, {"stage": STAGE, **cfg.model_dump(), "from": str(BASE), "midtrain": read_stage_config(root / BASE)})
     last = next((h for h in reversed(result.history) if "loss" in h), {})
@@ -86,7 +91,7 @@ def run(cfg: SftStageConfig, root: Path, log: logging.Logger, tracker: StageTrac
 
 
 def main() -> None:
-    stage_main(STAGE, CONFIG, run, METRICS)
+    stage_main(STAGE, CONFIG, run, METRICS, resumable=True)
 
 
 if __name__ == "__main__":

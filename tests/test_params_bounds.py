@@ -375,3 +375,45 @@ def test_negative_lr_fails_in_the_stage_process_with_tracking_on(tmp_path: Path)
     assert "params.yaml: retrieve.train.lr: Input should be greater than 0 (input -1)" in proc.stderr
     assert "Traceback" not in proc.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["params.yaml"]  # no mlflow.db, no mlruns, no outputs
+
+
+# ------------------------------------------------------------------ resume: (not a stage)
+
+RESUME = {"every_steps": CAP, "every_minutes": NONNEG}
+
+
+def _load_resume(section: dict[str, Any]) -> Any:
+    from tasks.common import load_resume_config
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "params.yaml"
+        path.write_text(yaml.safe_dump({"resume": section}))
+        try:
+            return load_resume_config(path)
+        except ParamsError as exc:
+            raise ParamsError(str(exc).replace(str(path), "params.yaml")) from exc
+
+
+def test_resume_bounds_cover_its_fields() -> None:
+    from tasks.common import ResumeConfig
+
+    schema = schema_numeric_fields(ResumeConfig, "resume")
+    assert sorted(schema) == sorted(f"resume.{k}" for k in RESUME)
+    assert params_numeric_leaves(PARAMS["resume"], "resume") <= set(schema)
+    _load_resume(PARAMS["resume"])
+
+
+@pytest.mark.parametrize("name", sorted(RESUME))
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True, database=None)
+@given(data=st.data())
+def test_resume_out_of_range_fails_naming_the_field(name: str, data: st.DataObject) -> None:
+    value = data.draw(out_of_range(RESUME[name]), label=name)
+    with pytest.raises(ParamsError) as err:
+        _load_resume({**PARAMS["resume"], name: value})
+    assert re.search(rf"^params\.yaml: resume\.{name}: ", str(err.value), re.M), str(err.value)
+
+
+@pytest.mark.parametrize("name", sorted(RESUME))
+def test_resume_edges_validate(name: str) -> None:
+    for value in edges(RESUME[name]):
+        _load_resume({**PARAMS["resume"], name: value})

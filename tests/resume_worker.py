@@ -1,0 +1,112 @@
+"""A training process for the resume tests: trains a tiny model with a Checkpointer and
+can SIGKILL itself after a given step (no cleanup, no flush: what `kill -9` does).
+
+    python tests/resume_worker.py KIND STATE_DIR OUT KILL_AFTER EVERY_STEPS
+    python tests/resume_worker.py stage STAGE KILL_AFTER_SAVES      (in a stage's workspace)
+
+KIND: sft, cft, dapo or rl (the library loops `train_sft`, `train_cft`, `train_dapo`,
+`train_diffusion_rl` on the tiny setups of tests/tiny.py). KILL_AFTER: the step after
+whose metrics the process kills itself (0: never). On success, OUT/result.pt holds
+{"weights": state_dict, "history": [...], "resumed_from": step or None, "saves": n}.
+`build` is also called in the test process for the run that is never stopped.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gr2model.block_diffusion import convert_to_block_diffusion
+from gr2model.cft import CFTConfig, train_cft
+from gr2model.dapo import DAPOConfig, train_dapo
+from gr2model.diffusion_rl import DiffusionRLConfig, train_diffusion_rl
+from gr2model.resume import Checkpointer
+from gr2model.sft import SFTConfig, train_sft
+
+from tiny import one_item_tokenizer, random_prompts, tiny_model, toy_examples, toy_items, toy_model, toy_tokenizer
+
+# Small but not trivial: several epochs (sft, cft: 3 batches each) or steps with
+# resampling and two inner epochs (dapo, rl), so a resume lands mid-epoch and
+# mid-stream, with generators that have been drawn from.
+SFT = SFTConfig(epochs=3, batch_size=4, lr=2e-3, warmup_steps=2, seed=3)
+CFT = CFTConfig(epochs=3, batch_size=4, lr=2e-3, warmup_steps=2, seed=3, block_size=2, valid_every=4)
+DAPO = DAPOConfig(group_size=4, prompts_per_step=2, steps=6, minibatch_size=4, inner_epochs=2, lr=1e-2,
+                  max_new_tokens=4, seed=7)
+RL = DiffusionRLConfig(group_size=4, prompts_per_step=2, steps=5, minibatch_size=4, inner_epochs=2, lr=1e-2,
+                       max_new_tokens=6, threshold=0.2, seed=7)
+STEPS = {"sft": 9, "cft": 9, "dapo": DAPO.steps, "rl": RL.steps}
+"""Optimizer steps (sft, cft: 3 epochs of ceil(10 / 4) batches) or RL steps of each kind."""
+
+
+def _graded_reward(i: int, c: list[int]) -> tuple[float, dict[str, float]]:
+    # Varies within a group, so dynamic sampling keeps groups and updates happen.
+    return float(len(c)) + 0.1 * c[0], {"first": float(c[0])}
+
+
+def build(kind: str) -> Callable[..., Any]:
+    """(on_step, checkpointer) -> the result of one tiny training run of `kind`."""
+    if kind in ("sft", "cft"):
+        tok, items = toy_tokenizer(), toy_items()
+        examples = toy_examples(items)
+        train, valid = examples[:10], examples[10:13]
+        if kind == "sft":
+            return lambda **kw: train_sft(toy_model(tok), tok, train, SFT, valid=valid, **kw)
+        return lambda **kw: train_cft(toy_model(tok), tok, train, CFT, valid=valid, **kw)
+    tok = one_item_tokenizer()
+    prompts = random_prompts(tok, 6, seed=7)
+    if kind == "dapo":
+        return lambda **kw: train_dapo(tiny_model(tok), tok, prompts, _graded_reward, DAPO, **kw)
+    if kind == "rl":
+        def rl(**kw: Any) -> Any:
+            policy = convert_to_block_diffusion(tiny_model(tok), tok, 4)
+            return train_diffusion_rl(policy, tok, prompts, _graded_reward, RL, **kw)
+
+        return rl
+    raise ValueError(f"unknown kind {kind!r}")
+
+
+def main(kind: str, state_dir: str, out: str, kill_after: int, every_steps: int) -> None:
+    torch.set_num_threads(1)
+
+    def on_step(metrics: dict[str, float]) -> None:
+        # Only training steps count (sft and cft also emit validation rows).
+        if kill_after and metrics["step"] == kill_after and "valid_loss" not in metrics:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    ckpt = Checkpointer(state_dir, every_steps=every_steps)
+    result = build(kind)(on_step=on_step, checkpointer=ckpt)
+    torch.save(
+        {"weights": result.model.state_dict(), "history": result.history, "resumed_from": ckpt.resumed_from,
+         "saves": ckpt.saves},
+        Path(out) / "result.pt",
+    )
+
+
+def stage(module: str, kill_after_saves: int) -> None:
+    """Run the real stage `python -m tasks.<module>` in this process (the cwd is its
+    workspace), SIGKILLed right after its `kill_after_saves`-th state is on disk (0: never)."""
+    import importlib
+
+    real_save = Checkpointer.save
+
+    def save_then_maybe_die(self: Checkpointer, step: int) -> Path:
+        folder = real_save(self, step)
+        if kill_after_saves and self.saves == kill_after_saves:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return folder
+
+    Checkpointer.save = save_then_maybe_die  # type: ignore[method-assign]
+    importlib.import_module(f"tasks.{module}").main()  # what `python -m tasks.<module>` runs
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "stage":
+        stage(sys.argv[2], int(sys.argv[3]))
+    else:
+        main(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))
