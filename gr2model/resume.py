@@ -34,7 +34,7 @@ import os
 import re
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -44,7 +44,7 @@ from accelerate.utils import broadcast_object_list
 
 from gr2model.bounds import check
 
-__all__ = ["Checkpointer", "Stateful", "latest_state", "generator_state", "set_generator_state"]
+__all__ = ["Checkpointer", "Stateful", "latest_state", "generator_state", "set_generator_state", "skip_batches"]
 
 log = logging.getLogger(__name__)
 
@@ -238,3 +238,25 @@ def generator_state(gen: torch.Generator) -> torch.Tensor:
 def set_generator_state(gen: torch.Generator, state: torch.Tensor) -> None:
     """Restore what `generator_state` returned (on the generator's own device)."""
     gen.set_state(state.cpu())
+
+
+def skip_batches(loader: Iterable[Any], n: int) -> Iterator[Any]:
+    """An iterator over `loader` past its first `n` batches, with the global RNG as if
+    none had been drawn (how a loop resumes in the middle of an epoch).
+
+    The restored global RNG state is the one after the last finished step, which
+    already includes what making this epoch's iterator drew (a DataLoader without
+    its own generator seeds its workers from the global RNG); skipping re-makes the
+    iterator, so the draws it makes are undone. The skipped batches are collated
+    and dropped: cheap next to a forward, and it keeps the sampler's draws exact.
+    The caller first rewinds the sampler's own shuffle state to the epoch's start.
+    """
+    cpu_state = torch.get_rng_state()
+    cuda_states = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    it = iter(loader)
+    for _ in range(n):
+        next(it)
+    torch.set_rng_state(cpu_state)
+    if cuda_states is not None:
+        torch.cuda.set_rng_state_all(cuda_states)
+    return it

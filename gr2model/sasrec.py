@@ -31,7 +31,10 @@ themselves so that no attention row is fully masked (which would give NaN);
 real positions never attend to pads, so pads cannot leak into real outputs.
 
 Training (`train_sasrec`) goes through `accelerate.Accelerator`, so the same loop
-runs on a CPU, several GPUs or several nodes.
+runs on a CPU, several GPUs or several nodes. Given a `gr2model.resume.Checkpointer`
+it saves its full state (model, optimizer, RNG states, data position, early-stopping
+state, history) as the checkpointer says and resumes from the newest one
+(`_TrainState`), ending with the weights of a run that was never stopped (on a CPU).
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -56,6 +60,7 @@ from torch.utils.data import DataLoader, Sampler, TensorDataset
 from tqdm.auto import tqdm
 
 from gr2model.metrics import ranking_metrics, target_rank_full
+from gr2model.resume import Checkpointer, skip_batches
 
 logger = logging.getLogger("gr2model.sasrec")
 
@@ -497,6 +502,71 @@ def _evaluate_sharded(
     return ranking_metrics(ranks, (5, 10), (5, 10))
 
 
+class _TrainState:
+    """`train_sasrec`'s own resumable state (`gr2model.resume.Stateful`): everything the
+    loop carries from one step to the next besides the model, the optimizer and the
+    global RNG states (which accelerate saves).
+
+    Position: step (optimizer steps done), epoch (1-based, the one in progress), batch
+    (its batches done) and epoch_start, the batch sampler's numpy generator state when
+    the epoch's order was drawn, from which that order is drawn again on resume.
+    The epoch's running loss sums, so that its logged loss covers all its batches.
+    Early stopping: best_ndcg, best_epoch, best_valid and best_state (the best epoch's
+    weights, on CPU); the patience counter is `epoch - best_epoch`, so it needs no
+    field of its own. history: the per-epoch rows (the list `train_sasrec` returns,
+    updated in place). finished: training is over (stopped early or out of epochs),
+    so a restored finished state trains nothing.
+    """
+
+    def __init__(self, sampler: LengthBucketBatchSampler, history: list[dict[str, float]], device: torch.device) -> None:
+        self._sampler = sampler
+        self._device = device
+        self.history = history
+        self.step, self.epoch, self.batch = 0, 1, 0
+        self.epoch_start: dict[str, Any] | None = None
+        self.epoch_t0 = time.perf_counter()
+        self.loss_sum = torch.zeros((), device=device)
+        self.count_sum = torch.zeros((), device=device)
+        self.best_ndcg, self.best_epoch = -1.0, 0
+        self.best_valid: dict[str, float] = {}
+        self.best_state: dict[str, torch.Tensor] | None = None
+        self.finished = False
+
+    def begin_epoch(self) -> None:
+        """Mark the start of a fresh epoch (before its order is drawn)."""
+        self.batch = 0
+        self.epoch_start = copy.deepcopy(self._sampler.rng.bit_generator.state)
+        self.epoch_t0 = time.perf_counter()
+        self.loss_sum = torch.zeros((), device=self._device)
+        self.count_sum = torch.zeros((), device=self._device)
+
+    def rewind_epoch(self) -> None:
+        """Put the sampler back to where the interrupted epoch drew its order."""
+        self._sampler.rng.bit_generator.state = copy.deepcopy(self.epoch_start)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "step": self.step, "epoch": self.epoch, "batch": self.batch, "epoch_start": self.epoch_start,
+            # The interrupted epoch's time so far: its logged `seconds` then still covers all of it.
+            "epoch_seconds": time.perf_counter() - self.epoch_t0,
+            "loss_sum": self.loss_sum.detach().cpu(), "count_sum": self.count_sum.detach().cpu(),
+            "best_ndcg": self.best_ndcg, "best_epoch": self.best_epoch, "best_valid": dict(self.best_valid),
+            "best_state": self.best_state, "history": list(self.history), "finished": self.finished,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step, self.epoch, self.batch = state["step"], state["epoch"], state["batch"]
+        self.epoch_start = state["epoch_start"]
+        self.epoch_t0 = time.perf_counter() - state["epoch_seconds"]
+        self.loss_sum = state["loss_sum"].to(self._device)
+        self.count_sum = state["count_sum"].to(self._device)
+        self.best_ndcg, self.best_epoch = state["best_ndcg"], state["best_epoch"]
+        self.best_valid = dict(state["best_valid"])
+        self.best_state = state["best_state"]
+        self.history[:] = state["history"]
+        self.finished = state["finished"]
+
+
 def train_sasrec(
     train_sequences: Sequence[Sequence[int]],
     cfg: SASRecConfig,
@@ -505,6 +575,7 @@ def train_sasrec(
     valid: tuple[Sequence[Sequence[int]], np.ndarray] | None = None,
     on_epoch: Callable[[dict[str, float]], None] | None = None,
     accelerator: Accelerator | None = None,
+    checkpointer: Checkpointer | None = None,
 ) -> SASRecTrainResult:
     """Train a SASRec on next-item prediction, with early stopping on validation NDCG@10.
 
@@ -517,9 +588,17 @@ def train_sasrec(
             without it exactly `tcfg.epochs` epochs are trained.
         valid: (histories, targets (n,) int) scored by full ranking with the
             history items excluded.
-        on_epoch: called on the main process only with each epoch's history dict.
+        on_epoch: called on the main process only with each epoch's history dict;
+            on a resume it first receives the restored rows.
         accelerator: the Accelerator to run under; by default a new one (CPU-only
             when no GPU is present, so that a torchrun launch on CPUs gives DDP).
+        checkpointer: when given, training starts from its newest saved state
+            (`_TrainState` plus model, optimizer and RNG states; see
+            `gr2model.resume`), saves after the optimizer steps it says are due and
+            once more when training is over. A resumed run draws the interrupted
+            epoch's order again and skips the batches already done, so it ends with
+            the weights, history and early-stopping decision of a run that was never
+            stopped (on a CPU); a finished state trains nothing.
     Returns:
         SASRecTrainResult; identical on every process.
     """
@@ -532,10 +611,8 @@ def train_sasrec(
     if len(inputs) == 0:
         raise ValueError("no training sequence has 2 or more items")
     # Length-bucketed, seeded shuffling: see LengthBucketBatchSampler.
-    loader = DataLoader(
-        TensorDataset(torch.from_numpy(inputs), torch.from_numpy(targets)),
-        batch_sampler=LengthBucketBatchSampler((inputs != 0).sum(axis=1), tcfg.batch_size, tcfg.seed),
-    )
+    sampler = LengthBucketBatchSampler((inputs != 0).sum(axis=1), tcfg.batch_size, tcfg.seed)
+    loader = DataLoader(TensorDataset(torch.from_numpy(inputs), torch.from_numpy(targets)), batch_sampler=sampler)
     model = SASRec(cfg)
     # The fused AdamW kernel is ~5x faster than the per-parameter loop on a CPU,
     # where the optimizer step is a visible share of a small model's step.
@@ -554,15 +631,32 @@ def train_sasrec(
             v_targets = v_targets[keep]
 
     history: list[dict[str, float]] = []
-    best_ndcg, best_epoch, best_valid = -1.0, 0, {}
-    best_state: dict[str, torch.Tensor] | None = None
-    for epoch in range(1, tcfg.epochs + 1):
-        t0 = time.perf_counter()
+    # The sampler object is shared with the prepared loader (accelerate wraps it, it
+    # does not copy it), so its generator is the one that draws the batches.
+    state = _TrainState(sampler, history, accelerator.device)
+    restored_finished = False
+    if checkpointer is not None:
+        checkpointer.attach(accelerator, state)
+        if checkpointer.restore() > 0:
+            restored_finished = state.finished
+            if main and on_epoch is not None:
+                for row in history:  # a tracker starting with this process gets the whole curve
+                    on_epoch(row)
+    if tcfg.epochs < 1:
+        state.finished = True
+
+    while not state.finished:
+        epoch = state.epoch
         wrapped.train()
-        loss_sum = torch.zeros((), device=accelerator.device)
-        count_sum = torch.zeros((), device=accelerator.device)
-        bar = tqdm(loader, desc=f"sasrec epoch {epoch}", disable=not main, leave=False)
-        for step, (inp, tgt) in enumerate(bar):
+        if state.batch:  # resumed inside this epoch: its order again, minus what was done
+            state.rewind_epoch()
+            batches = skip_batches(loader, state.batch)
+        else:
+            state.begin_epoch()
+            batches = iter(loader)
+        bar = tqdm(batches, total=len(loader), initial=state.batch, desc=f"sasrec epoch {epoch}", disable=not main,
+                   leave=False)
+        for inp, tgt in bar:
             # Trim leading columns that are padding in every row: most users are short.
             first = int((inp != 0).any(dim=0).long().argmax())
             inp, tgt = inp[:, first:], tgt[:, first:]
@@ -570,23 +664,26 @@ def train_sasrec(
             optimizer.zero_grad(set_to_none=True)
             accelerator.backward(loss)
             optimizer.step()
-            loss_sum += loss.detach() * count
-            count_sum += count
-            if main and step % 20 == 0:  # .item() syncs an accelerator; do it rarely
+            state.loss_sum += loss.detach() * count
+            state.count_sum += count
+            state.step, state.batch = state.step + 1, state.batch + 1
+            if main and state.batch % 20 == 1:  # .item() syncs an accelerator; do it rarely
                 bar.set_postfix(loss=f"{loss.item():.4f}")
-        loss_sum = accelerator.reduce(loss_sum, "sum")
-        count_sum = accelerator.reduce(count_sum, "sum")
+            if checkpointer is not None:
+                checkpointer.step_done(state.step)
+        loss_sum = accelerator.reduce(state.loss_sum, "sum")
+        count_sum = accelerator.reduce(state.count_sum, "sum")
         row: dict[str, float] = {"epoch": epoch, "loss": float(loss_sum / count_sum.clamp(min=1))}
 
         improved = False
         if valid is not None and (epoch % tcfg.eval_every == 0 or epoch == tcfg.epochs):
             metrics = _evaluate_sharded(inner, v_hist, v_targets, accelerator, batch_size=512)
             row.update({f"valid_{k}": v for k, v in metrics.items() if k != "n"})
-            if metrics["ndcg@10"] > best_ndcg:
+            if metrics["ndcg@10"] > state.best_ndcg:
                 improved = True
-                best_ndcg, best_epoch, best_valid = metrics["ndcg@10"], epoch, metrics
-                best_state = {k: v.detach().cpu().clone() for k, v in inner.state_dict().items()}
-        row["seconds"] = time.perf_counter() - t0
+                state.best_ndcg, state.best_epoch, state.best_valid = metrics["ndcg@10"], epoch, metrics
+                state.best_state = {k: v.detach().cpu().clone() for k, v in inner.state_dict().items()}
+        row["seconds"] = time.perf_counter() - state.epoch_t0
         history.append(row)
         if main:
             valid_txt = "".join(f" {k}={v:.4f}" for k, v in row.items() if k.startswith("valid_"))
@@ -595,18 +692,27 @@ def train_sasrec(
             )
             if on_epoch is not None:
                 on_epoch(row)
-        if valid is not None and best_epoch and epoch - best_epoch >= tcfg.patience:
+        state.epoch, state.batch = epoch + 1, 0
+        if valid is not None and state.best_epoch and epoch - state.best_epoch >= tcfg.patience:
             if main:
-                logger.info("early stop at epoch %d; best epoch %d ndcg@10=%.4f", epoch, best_epoch, best_ndcg)
-            break
+                logger.info("early stop at epoch %d; best epoch %d ndcg@10=%.4f", epoch, state.best_epoch, state.best_ndcg)
+            state.finished = True
+        state.finished = state.finished or epoch >= tcfg.epochs
+    if checkpointer is not None and not restored_finished:
+        # The state after training (history, best weights): a stage killed before
+        # writing its outputs then skips this training on rerun.
+        checkpointer.step_done(state.step, final=True)
 
     result_model = copy.deepcopy(inner).cpu()
-    if best_state is not None:
-        result_model.load_state_dict(best_state)
+    best_epoch = state.best_epoch
+    if state.best_state is not None:
+        result_model.load_state_dict(state.best_state)
     else:
         best_epoch = len(history)
     accelerator.free_memory()
-    return SASRecTrainResult(model=result_model.eval(), best_epoch=best_epoch, best_valid=best_valid, history=history)
+    return SASRecTrainResult(
+        model=result_model.eval(), best_epoch=best_epoch, best_valid=state.best_valid, history=history
+    )
 
 
 # --------------------------------------------------------------------------- persistence

@@ -25,7 +25,7 @@ import functools
 import logging
 import math
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -38,7 +38,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from gr2model.bounds import FieldRangeError, check
 from gr2model.rerank_format import EXPLANATION_KEY
-from gr2model.resume import Checkpointer, generator_state, set_generator_state
+from gr2model.resume import Checkpointer, generator_state, set_generator_state, skip_batches
 
 __all__ = [
     "IGNORE_INDEX",
@@ -418,27 +418,6 @@ class _TrainPosition:
         self.history[:] = state["history"]
 
 
-def _skip_batches(loader: Any, n: int) -> Iterator[Any]:
-    """An iterator over `loader` past its first `n` batches, with the global RNG as if
-    none had been drawn.
-
-    The restored global RNG state is the one after the last finished step, which
-    already includes what making this epoch's iterator drew (a DataLoader without
-    its own generator seeds its workers from the global RNG); skipping re-makes the
-    iterator, so the draws it makes are undone. The skipped batches are collated
-    and dropped: cheap next to a forward, and it keeps the sampler's draws exact.
-    """
-    cpu_state = torch.get_rng_state()
-    cuda_states = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
-    it = iter(loader)
-    for _ in range(n):
-        next(it)
-    torch.set_rng_state(cpu_state)
-    if cuda_states is not None:
-        torch.cuda.set_rng_state_all(cuda_states)
-    return it
-
-
 class LoopConfig(Protocol):
     """What `run_train_loop` reads of a trainer's config (SFTConfig, CFTConfig)."""
 
@@ -553,7 +532,7 @@ def run_train_loop(
         model.train()
         if resumed and epoch == position.epoch:
             position.rewind_epoch()  # the interrupted epoch: its order again, minus what was done
-            batches = _skip_batches(loader, position.batch)
+            batches = skip_batches(loader, position.batch)
         else:
             position.begin_epoch(epoch)
             batches = iter(loader)
