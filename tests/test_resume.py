@@ -22,7 +22,7 @@ from gr2model.sft import SFTConfig, _loss_sums, collate_right_padded, encode_exa
 from tiny import toy_examples, toy_items, toy_model, toy_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
-TIMING = ("tokens_per_s", "rollout_s", "update_s", "teacher_s")
+TIMING = ("tokens_per_s", "rollout_s", "update_s", "teacher_s", "seconds")  # seconds: sasrec's epoch time
 
 
 def comparable(history: list[dict[str, float]]) -> list[dict[str, float]]:
@@ -80,6 +80,76 @@ def test_sigkill_then_rerun_equals_an_uninterrupted_run(
     assert len(reference.history) >= resume_worker.STEPS[kind]
     # The state after the last step stays until the stage that owns it clears it.
     assert latest_state(state)[0] == resume_worker.STEPS[kind]
+
+
+# ------------------------------------------------------------------ SASRec (the retrieve stage)
+
+
+def _saved_loop_state(state: Path) -> tuple[int, dict[str, Any]]:
+    """(step, the loop's own state) of the newest state in `state` (one process)."""
+    step, folder = latest_state(state)
+    return step, torch.load(folder / "loop_state_0.pt", weights_only=False)
+
+
+@pytest.mark.parametrize("case", ["mid_epoch", "between_best_and_stop"])
+def test_sasrec_sigkill_then_rerun_equals_an_uninterrupted_run(case: str, tmp_path: Path) -> None:
+    """`train_sasrec` with early stopping, SIGKILLed mid-epoch (epoch 2: the sampler's
+    generator has drawn an order before), or after its best epoch and before early
+    stopping ends it: the rerun stops at the same epoch with the same (best) weights,
+    history and validation metrics."""
+    torch.set_num_threads(1)  # as in the workers: float sums depend on the thread count
+    reference = resume_worker.build("sasrec")()
+    best, epochs, per_epoch = reference.best_epoch, len(reference.history), resume_worker.SASREC_BATCHES
+    # The premise: training ended by early stopping, `patience` epochs after the best one.
+    assert epochs == best + resume_worker.SASREC.patience < resume_worker.SASREC.epochs
+
+    if case == "mid_epoch":
+        kill_after, every_steps = per_epoch + 3, 3
+    else:  # killed in the 2nd epoch after the best one, its state saved inside that epoch
+        kill_after, every_steps = per_epoch * (best + 1) + 4, 4
+    resumed_from = kill_after // every_steps * every_steps
+    state = tmp_path / "state"
+    killed = run_worker("sasrec", state, tmp_path, kill_after, every_steps)
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    assert not (tmp_path / "result.pt").exists()
+    step, saved = _saved_loop_state(state)
+    assert step == resumed_from and saved["step"] == resumed_from and not saved["finished"]
+    assert saved["epoch"] == (resumed_from - 1) // per_epoch + 1
+    assert saved["batch"] == resumed_from - (saved["epoch"] - 1) * per_epoch
+    assert comparable(saved["history"]) == comparable(reference.history[: saved["epoch"] - 1])
+    if case == "between_best_and_stop":
+        # The early-stopping state survives: the best epoch, its metrics and its weights
+        # (those the uninterrupted run returns), with epochs without improvement already counted.
+        assert saved["best_epoch"] == best < saved["epoch"] - 1
+        assert saved["best_valid"] == reference.best_valid
+        assert_same_weights(saved["best_state"], reference.model.state_dict())
+
+    resumed = run_worker("sasrec", state, tmp_path, 0, every_steps)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert f"resuming from the state saved after step {resumed_from}" in resumed.stderr
+    got = torch.load(tmp_path / "result.pt", weights_only=False)
+    assert got["resumed_from"] == resumed_from
+    assert_same_weights(got["weights"], reference.model.state_dict())
+    assert comparable(got["history"]) == comparable(reference.history)
+    assert (got["best_epoch"], got["best_valid"]) == (best, reference.best_valid)
+    step, final = _saved_loop_state(state)  # kept until the stage that owns it clears it
+    assert step == epochs * per_epoch and final["finished"]
+
+
+def test_sasrec_finished_state_trains_nothing(tmp_path: Path) -> None:
+    """retrieve killed after a SASRec run finished (e.g. during a later cross-fit fold):
+    the rerun of that run restores the final state, trains and saves nothing, replays its
+    history to on_epoch and returns the same best weights and metrics."""
+    first_ckpt = Checkpointer(tmp_path)  # neither by count nor by time: only the final state
+    first = resume_worker.build("sasrec")(checkpointer=first_ckpt)
+    assert first_ckpt.saves == 1
+    seen: list[dict[str, float]] = []
+    again = Checkpointer(tmp_path)
+    second = resume_worker.build("sasrec")(checkpointer=again, on_step=seen.append)
+    assert again.resumed_from == len(first.history) * resume_worker.SASREC_BATCHES and again.saves == 0
+    assert seen == first.history == second.history
+    assert (second.best_epoch, second.best_valid) == (first.best_epoch, first.best_valid)
+    assert_same_weights(first.model.state_dict(), second.model.state_dict())
 
 
 # ------------------------------------------------------------------ in process
