@@ -6,6 +6,12 @@ validation; popularity and the transition model alone are computed by the same
 code as baselines. Candidate lists for training examples are cross-fitted over
 user folds, so no list comes from a model trained on that example's target.
 
+Resumable (README "Resuming a killed stage"): each SASRec training run saves its
+state as params.yaml `resume:` says, under its own loop name (`sasrec` for the
+final model, `fold<f>` for the cross-fitted ones); a killed stage rerun with the
+same params and inputs skips the runs that finished and continues the one that
+was cut, ending with the outputs of an uninterrupted run.
+
     python -m tasks.retrieve           # reads the `retrieve` section of params.yaml
 """
 
@@ -35,7 +41,7 @@ from gr2model.retriever import RetrieverSpec, save_retriever
 from gr2model.sasrec import SASRecConfig, SASRecScorer, SASRecTrainConfig, train_sasrec
 from gr2model.scoring import Scorer, evaluate_full_ranking
 from gr2model.rerank_format import MAX_POSITIONS
-from tasks.common import Cap, Count, NonNegative, Positive, Seed, StageConfig, atomic_dir, stage_main, timed
+from tasks.common import Cap, Count, NonNegative, Positive, Seed, StageConfig, StageResume, atomic_dir, stage_main, timed
 from tasks.tracking import StageTracker
 
 STAGE = "retrieve"
@@ -110,20 +116,34 @@ def _histories(df: pl.DataFrame) -> tuple[list[list[int]], np.ndarray]:
 
 
 class PreRanker:
-    """Fits the whole pre-ranker (SASRec + transitions) on a set of training sequences."""
+    """Fits the whole pre-ranker (SASRec + transitions) on a set of training sequences.
 
-    def __init__(self, cfg: RetrieveConfig, num_items: int, weight: float, epochs: int):
+    With `resume`, fold f's SASRec run saves and resumes its state as loop `fold<f>`.
+    """
+
+    def __init__(self, cfg: RetrieveConfig, num_items: int, weight: float, epochs: int, resume: StageResume | None = None):
         self.cfg, self.num_items, self.weight, self.epochs = cfg, num_items, weight, epochs
+        self.resume = resume
 
     def __call__(self, train_sequences: list[list[int]], fold: int) -> Scorer:
         tcfg = SASRecTrainConfig(**{**self.cfg.train.model_dump(), "epochs": self.epochs, "seed": self.cfg.seed + 1 + fold})
-        result = train_sasrec(train_sequences, SASRecConfig(num_items=self.num_items, **self.cfg.sasrec.model_dump()), tcfg)
+        result = train_sasrec(
+            train_sequences,
+            SASRecConfig(num_items=self.num_items, **self.cfg.sasrec.model_dump()),
+            tcfg,
+            checkpointer=self.resume.checkpointer(f"fold{fold}") if self.resume else None,
+        )
         transition = TransitionScorer(train_sequences, self.num_items, **self.cfg.transition.model_dump())
         return EnsembleScorer([SASRecScorer(result.model), transition], [1.0, self.weight])
 
 
-def run(cfg: RetrieveConfig, root: Path, log: logging.Logger, tracker: StageTracker) -> dict[str, Any]:
-    """Train, evaluate and write the pre-ranker and its candidate lists; returns the stage metrics."""
+def run(
+    cfg: RetrieveConfig, root: Path, log: logging.Logger, tracker: StageTracker, resume: StageResume | None = None
+) -> dict[str, Any]:
+    """Train, evaluate and write the pre-ranker and its candidate lists; returns the stage metrics.
+
+    resume: where the SASRec runs save their states (loops `sasrec`, `fold<f>`); None: no saves.
+    """
     torch.manual_seed(cfg.seed)
     timings: dict[str, float] = {}
     start = time.perf_counter()
@@ -154,6 +174,7 @@ def run(cfg: RetrieveConfig, root: Path, log: logging.Logger, tracker: StageTrac
             SASRecTrainConfig(**cfg.train.model_dump(), seed=cfg.seed),
             valid=_histories(evals["valid"]),
             on_epoch=lambda m: tracker.log_metrics({f"sasrec.{k}": v for k, v in m.items() if k != "epoch"}, step=int(m["epoch"])),
+            checkpointer=resume.checkpointer("sasrec") if resume else None,
         )
     sasrec = SASRecScorer(result.model)
     full_ranking["sasrec"] = full(sasrec, "sasrec")
@@ -172,7 +193,7 @@ def run(cfg: RetrieveConfig, root: Path, log: logging.Logger, tracker: StageTrac
         lists["train"] = crossfit_candidate_lists(
             train_examples,
             split,
-            PreRanker(cfg, num_items, weight, epochs=result.best_epoch),
+            PreRanker(cfg, num_items, weight, epochs=result.best_epoch, resume=resume),
             cfg.crossfit_folds,
             cfg.k,
             seed=cfg.seed,
@@ -213,7 +234,7 @@ def run(cfg: RetrieveConfig, root: Path, log: logging.Logger, tracker: StageTrac
 
 
 def main() -> None:
-    stage_main(STAGE, CONFIG, run, METRICS)
+    stage_main(STAGE, CONFIG, run, METRICS, resumable=True)
 
 
 if __name__ == "__main__":

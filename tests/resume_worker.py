@@ -2,7 +2,6 @@
 can SIGKILL itself after a given step (no cleanup, no flush: what `kill -9` does).
 
     python tests/resume_worker.py KIND STATE_DIR OUT KILL_AFTER EVERY_STEPS
-    python tests/resume_worker.py stage STAGE KILL_AFTER_SAVES      (in a stage's workspace)
 
 KIND: sft, cft, dapo or rl (the library loops `train_sft`, `train_cft`, `train_dapo`,
 `train_diffusion_rl` on the tiny setups of tests/tiny.py), or sasrec (`train_sasrec`
@@ -12,6 +11,7 @@ after whose metrics (sasrec: after whose optimizer step) the process kills itsel
 "resumed_from": step or None, "saves": n, "best_epoch": e, "best_valid": {...}}
 (the last two: sasrec's early stopping, None for the others).
 `build` is also called in the test process for the run that is never stopped.
+Whole stages are killed by tests/stage_worker.py.
 """
 
 from __future__ import annotations
@@ -123,25 +123,5 @@ def main(kind: str, state_dir: str, out: str, kill_after: int, every_steps: int)
     )
 
 
-def stage(module: str, kill_after_saves: int) -> None:
-    """Run the real stage `python -m tasks.<module>` in this process (the cwd is its
-    workspace), SIGKILLed right after its `kill_after_saves`-th state is on disk (0: never)."""
-    import importlib
-
-    real_save = Checkpointer.save
-
-    def save_then_maybe_die(self: Checkpointer, step: int) -> Path:
-        folder = real_save(self, step)
-        if kill_after_saves and self.saves == kill_after_saves:
-            os.kill(os.getpid(), signal.SIGKILL)
-        return folder
-
-    Checkpointer.save = save_then_maybe_die  # type: ignore[method-assign]
-    importlib.import_module(f"tasks.{module}").main()  # what `python -m tasks.<module>` runs
-
-
 if __name__ == "__main__":
-    if sys.argv[1] == "stage":
-        stage(sys.argv[2], int(sys.argv[3]))
-    else:
-        main(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))
+    main(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))

@@ -1,7 +1,7 @@
 """Resumable stages (issue 16), through the real stage entry point: `python -m tasks.sft`
-killed with SIGKILL right after a saved state resumes on rerun, says so, ends with the
-checkpoint and metrics of an uninterrupted run, and removes its states; a rerun with other
-params or inputs starts fresh and says why."""
+and `python -m tasks.retrieve` killed with SIGKILL right after a saved state resume on
+rerun, say so, end with the checkpoint and metrics of an uninterrupted run, and remove
+their states; a rerun with other params or inputs starts fresh and says why."""
 
 from __future__ import annotations
 
@@ -18,8 +18,10 @@ import pytest
 import yaml
 
 from gr2model.checkpoint import save_hf_checkpoint
+from gr2model.data import Dataset, leave_one_out, save_prepared
 from tasks.common import RESUME_DIR, ResumeConfig, StageResume
 
+from test_sasrec import N_ITEMS, random_sequences
 from tiny import toy_examples, toy_items, toy_model, toy_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,11 +49,13 @@ def sft_workspace(path: Path) -> Path:
     return path
 
 
-def run_stage(ws: Path, kill_after_saves: int) -> subprocess.CompletedProcess:
+def run_stage(ws: Path, kill_after_saves: int, stage: str = "sft", loop: str = "") -> subprocess.CompletedProcess:
+    """The stage in its workspace, killed after `loop`'s (any loop's) kill_after_saves-th save."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "GR2_TRACKING": "off"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tests"), env.get("PYTHONPATH", "")])
     return subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "resume_worker.py"), "stage", "sft", str(kill_after_saves)],
+        [sys.executable, str(ROOT / "tests" / "stage_worker.py"), stage, str(kill_after_saves),
+         *([loop] if loop else [])],
         cwd=ws, env=env, capture_output=True, text=True, timeout=300,
     )
 
@@ -84,6 +88,78 @@ def test_killed_sft_stage_resumes_and_matches_an_uninterrupted_run(tmp_path: Pat
     m1, m2 = (json.loads((ws / "metrics/sft.json").read_text()) for ws in (killed_ws, clean_ws))
     assert {k: v for k, v in m1.items() if k not in timings} == {k: v for k, v in m2.items() if k not in timings}
     assert m1["steps"] == 15
+
+
+RETRIEVE_PARAMS = {
+    "seed": 0, "k": 5, "crossfit_folds": 2, "ensemble_grid": [0.0, 1.0], "eval_chunk_size": 64,
+    "sasrec": {"max_len": 8, "hidden": 16, "heads": 2, "layers": 1, "dropout": 0.1},
+    "train": {"epochs": 8, "batch_size": 16, "lr": 0.01, "patience": 2, "max_valid_users": 0},
+}
+
+
+def retrieve_workspace(path: Path) -> Path:
+    """A workspace holding what `tasks.retrieve` reads: a prepared data set of 120 users
+    (random sequences, so validation NDCG stops improving and early stopping ends the
+    final model's run), params, dvc.yaml."""
+    seqs = random_sequences(120, seed=11)
+    sequences = pl.DataFrame(
+        {"user_id": list(range(1, len(seqs) + 1)), "items": seqs},
+        schema={"user_id": pl.Int64, "items": pl.List(pl.Int64)},
+    )
+    items = pl.DataFrame(
+        {"item_id": list(range(1, N_ITEMS + 1)), "sid": [None] * N_ITEMS, "attributes": [[] for _ in range(N_ITEMS)]},
+        schema={"item_id": pl.Int64, "sid": pl.List(pl.Int64), "attributes": pl.List(pl.Int64)},
+    )
+    save_prepared(Dataset(sequences, items), leave_one_out(sequences), path / "data/prepared")
+    (path / "params.yaml").write_text(
+        yaml.safe_dump({"retrieve": RETRIEVE_PARAMS, "resume": {"every_steps": 3, "every_minutes": 0}})
+    )
+    (path / "dvc.yaml").write_text(
+        yaml.safe_dump({"stages": {"retrieve": {"cmd": "python -m tasks.retrieve", "deps": ["data/prepared"]}}})
+    )
+    return path
+
+
+def test_killed_retrieve_stage_resumes_each_sasrec_run_and_matches_an_uninterrupted_run(tmp_path: Path) -> None:
+    """retrieve trains SASRec three times (the final model, then one per cross-fit fold),
+    each a loop with its own states. Killed right after the first save of fold 1 (mid
+    epoch 1), the rerun restores the finished `sasrec` and `fold0` runs without training
+    them, resumes `fold1` from step 3, and writes the outputs of an uninterrupted run."""
+    killed_ws = retrieve_workspace(tmp_path / "killed")
+    clean_ws = tmp_path / "clean"
+    shutil.copytree(killed_ws, clean_ws)
+
+    killed = run_stage(killed_ws, kill_after_saves=1, stage="retrieve", loop="fold1")
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    assert not (killed_ws / "checkpoints/retriever").exists() and not (killed_ws / "metrics/retrieve.json").exists()
+    (key,) = (killed_ws / RESUME_DIR / "retrieve").iterdir()
+    states = {p.parent.name: p.name for p in key.glob("*/step-*")}
+    assert set(states) == {"sasrec", "fold0", "fold1"} and states["fold1"] == "step-000000003"
+
+    resumed = run_stage(killed_ws, kill_after_saves=0, stage="retrieve")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "resuming from the state saved after step 3" in resumed.stderr
+    finished = {name: int(step.removeprefix("step-")) for name, step in states.items()}
+    assert (
+        f"retrieve finished after resuming (sasrec from step {finished['sasrec']}, "
+        f"fold0 from step {finished['fold0']}, fold1 from step 3)"
+    ) in resumed.stderr
+    # The final model (the one run with validation) was restored, not trained again.
+    assert "early stop at epoch" not in resumed.stderr
+    assert not (killed_ws / RESUME_DIR / "retrieve").exists()
+
+    clean = run_stage(clean_ws, kill_after_saves=0, stage="retrieve")
+    assert clean.returncode == 0, clean.stderr[-2000:]
+    assert "resuming" not in clean.stderr and "early stop at epoch" in clean.stderr
+    ckpt = Path("checkpoints/retriever")
+    for path in sorted(p.relative_to(clean_ws / ckpt) for p in (clean_ws / ckpt).rglob("*") if p.is_file()):
+        assert (killed_ws / ckpt / path).read_bytes() == (clean_ws / ckpt / path).read_bytes(), path
+    for name in ("train", "valid", "test"):
+        got, want = (pl.read_parquet(ws / f"data/candidates/{name}.parquet") for ws in (killed_ws, clean_ws))
+        assert got.equals(want), name
+    m1, m2 = (json.loads((ws / "metrics/retrieve.json").read_text()) for ws in (killed_ws, clean_ws))
+    timing = [k for k in m2 if k == "seconds" or k.endswith("_s")]
+    assert {k: v for k, v in m1.items() if k not in timing} == {k: v for k, v in m2.items() if k not in timing}
 
 
 def _fake_state(resume: StageResume) -> Path:
