@@ -698,9 +698,10 @@ def train_sasrec(
                 logger.info("early stop at epoch %d; best epoch %d ndcg@10=%.4f", epoch, state.best_epoch, state.best_ndcg)
             state.finished = True
         state.finished = state.finished or epoch >= tcfg.epochs
-    if checkpointer is not None and not restored_finished:
+    if checkpointer is not None and not restored_finished and state.step > 0:
         # The state after training (history, best weights): a stage killed before
-        # writing its outputs then skips this training on rerun.
+        # writing its outputs then skips this training on rerun. (No step, no state:
+        # `restore` takes step 0 for a fresh start.)
         checkpointer.step_done(state.step, final=True)
 
     result_model = copy.deepcopy(inner).cpu()
