@@ -12,14 +12,16 @@ What a state holds:
   scheduler of `gr2model.sft.run_train_loop`), and the global RNG states
   (python, numpy, torch, the device's) of each process;
 - `loop_state_<rank>.pt`, one per process: the loop's own state (`Stateful`):
-  data position, history of emitted metrics, its torch.Generator objects. It is
+  data position, history of emitted metrics, its torch.Generator objects (and
+  whatever else the loop carries between steps: `gr2model.sasrec.train_sasrec`
+  adds its sampler's numpy generator and its early-stopping state). It is
   written per process, not through `register_for_checkpointing`, because
   accelerate writes custom objects from the main process only, and the loops'
   sampling generators differ between processes.
 
 Bit-identity on a CPU: a loop restores its position and generators so that
 the resumed run draws the same batches and the same noise as a run that was
-never stopped; `tests/test_resume.py` kills training processes with SIGKILL and
+never stopped (`skip_batches` replays an interrupted epoch); `tests/test_resume.py` kills training processes with SIGKILL and
 compares the weights with `torch.equal`.
 
 The folder's identity (which params and inputs it belongs to) is the caller's
