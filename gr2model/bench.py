@@ -21,6 +21,15 @@ Rows (one per decoder, model, threshold, sub-block size and batch size):
         the sum over batches of nfe * rows / generated tokens (1.0 for AR at
         any batch size; a batch forward serves every row of the batch)
     tokens_per_forward: 1 / nfe_per_token
+    forward_cost: seconds per batch forward over those of our AR loop ("ar") at
+        this batch size: what one step of this decoder costs in one-token
+        forwards (1.0 for "ar"). speedup = tokens_per_forward / forward_cost
+        relative to "ar" (up to hf being the faster AR decoder).
+    projected_speedup: tokens_per_forward over that of "ar" at this batch
+        size: the speed-up if a forward cost the same whatever the number of
+        positions it decodes, the assumption for a GPU at small batch, where a
+        forward of a small model is bound by reading the weights, not by the
+        positions (an assumption, not a measurement).
     response_tokens: mean generated tokens per example
     recall@1, ndcg@3, valid_format_rate, valid_permutation_rate
     draft_len, draft_steps, mean_accepted_length, ar_forwards_per_token,
@@ -58,7 +67,7 @@ log = logging.getLogger(__name__)
 
 SPEED_FIELDS = (
     "decoder", "model", "tau", "sub_block_size", "batch_size", "n", "seconds", "tokens_per_s", "speedup", "nfe_per_token",
-    "tokens_per_forward", "response_tokens", "recall@1", "ndcg@3", "valid_format_rate", "valid_permutation_rate",
+    "tokens_per_forward", "forward_cost", "projected_speedup", "response_tokens", "recall@1", "ndcg@3", "valid_format_rate", "valid_permutation_rate",
     "draft_len", "draft_steps", "mean_accepted_length", "ar_forwards_per_token", "draft_forwards_per_token", "equal_to_gr2",
 )  # fmt: skip
 # The fields only speculative rows fill (None on the others).
@@ -119,6 +128,8 @@ def _row(
         "seconds": out.seconds,
         "tokens_per_s": out.generated_tokens / max(out.seconds, 1e-9),
         "speedup": float("nan"),  # filled once the best AR decoder of this batch size is known
+        "forward_cost": float("nan"),  # filled against our AR loop's row (`_relative_to_ar`)
+        "projected_speedup": float("nan"),
         "nfe_per_token": _row_forwards(out, batch_size=batch_size) / tokens,
         "tokens_per_forward": tokens / max(_row_forwards(out, batch_size=batch_size), 1),
         "response_tokens": out.generated_tokens / max(len(out.parsed), 1),
@@ -128,6 +139,19 @@ def _row(
         "valid_permutation_rate": m["valid_permutation_rate"],
         **dict.fromkeys(SPEC_FIELDS),
     }
+
+
+def _relative_to(row: dict[str, Any], out: LMRerankResult, best_ar: float, ar: tuple[float, float]) -> dict[str, Any]:
+    """Fill the row's speedup, forward_cost and projected_speedup (module docstring).
+
+    best_ar: the faster AR decoder's tokens/s; ar: our AR loop's (seconds per
+    batch forward, tokens_per_forward) at the same batch size. Returns the row.
+    """
+    ar_step, ar_tpf = ar
+    row["speedup"] = row["tokens_per_s"] / best_ar
+    row["forward_cost"] = (out.seconds / max(out.nfe, 1)) / ar_step if ar_step > 0 else float("nan")
+    row["projected_speedup"] = row["tokens_per_forward"] / ar_tpf
+    return row
 
 
 def decode_benchmark(
@@ -181,15 +205,15 @@ def decode_benchmark(
     for bs in batch_sizes:
         common = {"batch_size": bs, "max_new_tokens": max_new_tokens}
         batch_rows = []
-        ar_sequences: list[list[int]] = []  # our AR loop's tokens: what the speculative rows must reproduce
+        ar_outs = {}
         for decoder_name, decoder in (("ar", ar_generate), ("hf", hf_generate)):
-            out = lm_rerank(ar_model, tok, lists, items, fmt, decoder=decoder, desc=f"bench {decoder_name} b{bs}", **common)
-            batch_rows.append(_row(decoder_name, ar_name, None, bs, out, targets))
-            if decoder_name == "ar":
-                ar_sequences = out.sequences
+            ar_outs[decoder_name] = lm_rerank(ar_model, tok, lists, items, fmt, decoder=decoder, desc=f"bench {decoder_name} b{bs}", **common)
+            batch_rows.append(_row(decoder_name, ar_name, None, bs, ar_outs[decoder_name], targets))
+        ar_sequences = ar_outs["ar"].sequences  # our AR loop's tokens: what the speculative rows must reproduce
         best_ar = max(r["tokens_per_s"] for r in batch_rows)
-        for r in batch_rows:
-            r["speedup"] = r["tokens_per_s"] / best_ar
+        ar = (ar_outs["ar"].seconds / max(ar_outs["ar"].nfe, 1), batch_rows[0]["tokens_per_forward"])
+        for r, out in zip(batch_rows, ar_outs.values(), strict=True):
+            _relative_to(r, out, best_ar, ar)
             if on_row:
                 on_row(r)  # after the speed-up is known
         for name, model in diffusion_models.items():
@@ -208,8 +232,7 @@ def decode_benchmark(
                         desc=f"bench {name} tau {tau}{tag} b{bs}", mask_id=mask_id, block_size=block_size,
                         threshold=tau, sub_block_size=sub, **common,
                     )  # fmt: skip
-                    row = _row("diffusion", name, tau, bs, out, targets, sub_block_size=sub)
-                    row["speedup"] = row["tokens_per_s"] / best_ar
+                    row = _relative_to(_row("diffusion", name, tau, bs, out, targets, sub_block_size=sub), out, best_ar, ar)
                     batch_rows.append(row)
                     if on_row:
                         on_row(row)
@@ -218,9 +241,9 @@ def decode_benchmark(
                 ar_model, tok, lists, items, fmt, desc=f"bench spec {name} k{draft_len} b{bs}",
                 **speculative_kwargs(drafter_model, draft_steps, draft_len), **common,
             )  # fmt: skip
-            row = _row("spec", name, None, bs, out, targets)
+            row = _relative_to(_row("spec", name, None, bs, out, targets), out, best_ar, ar)
             row.update(
-                speedup=row["tokens_per_s"] / best_ar, draft_len=draft_len, draft_steps=draft_steps,
+                draft_len=draft_len, draft_steps=draft_steps,
                 equal_to_gr2=equal_share(out.sequences, ar_sequences), **speculative_stats(out),
             )  # fmt: skip
             batch_rows.append(row)
@@ -236,7 +259,7 @@ def speed_table(rows: Sequence[Mapping[str, Any]]) -> str:
     A sub_block_size column only when some row has one, and the speculative
     columns only when some row is speculative (the default table is unchanged).
     """
-    cols: tuple[str, ...] = ("decoder", "model", "tau", "batch_size", "tokens_per_s", "speedup", "nfe_per_token", "response_tokens", "recall@1", "valid_format_rate")
+    cols: tuple[str, ...] = ("decoder", "model", "tau", "batch_size", "tokens_per_s", "speedup", "nfe_per_token", "forward_cost", "projected_speedup", "response_tokens", "recall@1", "valid_format_rate")
     if any(r.get("sub_block_size") is not None for r in rows):
         cols = cols[:3] + ("sub_block_size",) + cols[3:]
     if any(r.get("decoder") == "spec" for r in rows):

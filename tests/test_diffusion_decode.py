@@ -408,6 +408,14 @@ def test_benchmark_has_sub_block_rows() -> None:
         ("ar", None), ("hf", None), ("diffusion", None), ("diffusion", 2)
     ]
     assert rows[3]["tokens_per_forward"] > 0 and rows[3]["speedup"] == rows[3]["speedup"]  # measured, not NaN
+    # Against our AR loop: its own row is 1; speed = tokens per forward / cost of a forward.
+    assert rows[0]["forward_cost"] == 1.0 and rows[0]["projected_speedup"] == 1.0
+    for r in rows[2:]:
+        assert r["forward_cost"] > 0
+        assert r["projected_speedup"] == pytest.approx(r["tokens_per_forward"] / rows[0]["tokens_per_forward"])
+        ar_speed = r["tokens_per_s"] / rows[0]["tokens_per_s"]
+        assert ar_speed == pytest.approx(r["projected_speedup"] / r["forward_cost"], rel=1e-6)
+    assert "| forward_cost | projected_speedup |" in speed_table(rows)
     assert "| sub_block_size |" in speed_table(rows)
     with pytest.raises(ValueError):
         decode_benchmark(ar, {"d": dgr2}, tok, lists, toy_items(), fmt, sub_block_sizes=[0], **args)
