@@ -155,6 +155,9 @@ class CFTConfig:
         so a hard label says only which item GR2 put first; its distribution
         also says how close the call was, which is what the student must learn
         to depart from the incoming order where GR2 does.
+    suffix_prob: share of blocks whose noise is a clean prefix then masks
+        (`complementary_masks`) rather than i.i.d. positions: the context in
+        which a sub-block decoder commits the first item of the ranking.
     """
 
     epochs: int = 3
@@ -172,6 +175,7 @@ class CFTConfig:
     grad_clip: float = 1.0
     valid_every: int = 0
     kd_weight: float = 0.0
+    suffix_prob: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("epochs", "batch_size", "block_size"):
@@ -183,6 +187,7 @@ class CFTConfig:
         # max_length need not be a multiple of block_size: examples are cut to whole blocks.
         check(self, "max_length", ge=2)
         check(self, "t_min", ge=0, le=1)  # t_min = 1 masks every block fully
+        check(self, "suffix_prob", ge=0, le=1)
         check(self, "grad_clip")  # any finite value: <= 0 disables clipping
         if self.reasoning_weight + self.answer_weight <= 0:
             # As SFTConfig (sft_config() builds one): only pad tokens would be trained.
@@ -366,11 +371,17 @@ def prediction_sources(
 # ----------------------------------------------------------------------- noise
 
 
-def complementary_masks(length: int, block_size: int, t_min: float, generator: torch.Generator) -> torch.Tensor:
+def complementary_masks(
+    length: int, block_size: int, t_min: float, generator: torch.Generator, suffix_prob: float = 0.0
+) -> torch.Tensor:
     """A complementary pair of noise masks over a response of `length` tokens.
 
     Each block draws t ~ U(t_min, 1); each of its tokens is masked with
-    probability t in the first mask. The second mask is the complement.
+    probability t in the first mask. With probability `suffix_prob` a block's
+    first mask is instead a suffix: its positions >= j masked, j uniform in
+    [0, B) (a clean prefix before masks: the view of a block decoded left to
+    right or sub-block by sub-block). The second mask is the complement.
+    suffix_prob = 0 draws exactly the random numbers it always drew.
 
     Returns:
         (2, length) bool, True = replaced by the mask token; every column has
@@ -378,9 +389,15 @@ def complementary_masks(length: int, block_size: int, t_min: float, generator: t
     """
     if length % block_size != 0:
         raise ValueError(f"length {length} is not a multiple of block_size {block_size}")
-    t = t_min + (1.0 - t_min) * torch.rand(length // block_size, generator=generator)
+    n_blocks = length // block_size
+    t = t_min + (1.0 - t_min) * torch.rand(n_blocks, generator=generator)
     u = torch.rand(length, generator=generator)
     first = u < t.repeat_interleave(block_size)  # u in [0, 1): t = 1 masks all
+    if suffix_prob > 0:
+        suffix = torch.rand(n_blocks, generator=generator) < suffix_prob
+        cut = torch.randint(0, block_size, (n_blocks,), generator=generator)
+        suffix_mask = (torch.arange(block_size)[None, :] >= cut[:, None]).reshape(-1)  # (length,)
+        first = torch.where(suffix.repeat_interleave(block_size), suffix_mask, first)
     return torch.stack([first, ~first])
 
 
@@ -400,7 +417,7 @@ def example_masks(length: int, cfg: CFTConfig, *, epoch: int, index: int) -> tor
     processes: several processes train exactly like one with their batches
     together. Validation uses epoch -1 (the same noise every time)."""
     gen = torch.Generator().manual_seed(_mix_seed(cfg.seed, epoch, index))
-    return complementary_masks(length, cfg.block_size, cfg.t_min, gen)
+    return complementary_masks(length, cfg.block_size, cfg.t_min, gen, cfg.suffix_prob)
 
 
 # ----------------------------------------------------------------------- batch

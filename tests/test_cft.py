@@ -235,6 +235,22 @@ def test_complementary_pair_masks_every_response_token_once(tok, items) -> None:
         assert (targets[:, : p - 1] == IGNORE_INDEX).all()  # no prompt token is ever predicted
 
 
+def test_suffix_masks_are_a_clean_prefix_then_masks() -> None:
+    gen = lambda: torch.Generator().manual_seed(5)  # noqa: E731
+    plain = complementary_masks(64, 8, 0.0, gen())
+    # suffix_prob 0 draws what it always drew.
+    assert torch.equal(complementary_masks(64, 8, 0.0, gen(), suffix_prob=0.0), plain)
+    pair = complementary_masks(64, 8, 0.0, gen(), suffix_prob=1.0)
+    assert torch.equal(pair[0], ~pair[1])
+    blocks = pair[0].view(8, 8).long()
+    # Within each block: False* then True* (non-decreasing), cut points varied.
+    assert bool((blocks[:, 1:] >= blocks[:, :-1]).all())
+    assert len({int(b.sum()) for b in blocks}) > 1
+    half = complementary_masks(8 * 400, 8, 0.0, gen(), suffix_prob=0.5)[0].view(400, 8).long()
+    monotone = (half[:, 1:] >= half[:, :-1]).all(1).float().mean().item()
+    assert 0.5 < monotone < 0.75  # the suffix half, plus i.i.d. blocks that happen to be monotone
+
+
 def test_noise_levels_and_seeds() -> None:
     g = torch.Generator().manual_seed(0)
     assert complementary_masks(8, 4, 1.0, g)[0].all()  # t = 1: everything masked in the first row

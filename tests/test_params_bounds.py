@@ -116,7 +116,7 @@ BOUNDS: dict[str, dict[str, B]] = {
     "cft": {"seed": SEED, "valid_fraction": F(ge=0, lt=1), "max_examples": CAP},
     "cft.train": {
         **SFT, "pad_weight": NONNEG, "block_size": COUNT, "t_min": UNIT,
-        "valid_every": CAP, "kd_weight": NONNEG,
+        "valid_every": CAP, "kd_weight": NONNEG, "suffix_prob": UNIT,
     },
     "opd": {"seed": SEED, "max_prompts": CAP},
     "opd.train": {
