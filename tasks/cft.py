@@ -41,7 +41,7 @@ METRICS = Path("metrics/cft.json")
 
 class CftStageConfig(StageConfig):
     seed: Seed = 0  # the train/valid split
-    only_valid: bool = False  # train only on trajectories whose answer is a valid permutation
+    only_valid: bool = True  # train only on trajectories whose answer is a valid permutation
     valid_fraction: Fraction = 0.05  # trajectories held out for a validation loss (0: none)
     max_examples: Cap = 0  # 0 = every (kept) trajectory
     # The library's config is the params schema (unknown keys and bad values name the field).
