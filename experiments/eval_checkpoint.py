@@ -1,12 +1,17 @@
-"""Re-rank every validation and test re-ranking example with one AR checkpoint of a workspace.
+"""Re-rank every validation and test re-ranking example with checkpoints of a workspace.
 
-The same call the `evaluate` stage makes for its AR rows (`lm_rerank`, greedy,
-our KV-cache loop, the shared strict parser, invalid answers fall back to the
-incoming order), with paired bootstrap 95% intervals of the difference to the
-incoming order (2,000 resamples, seed 0). For a look at a checkpoint without
-running the diffusion stages that `evaluate` waits for.
+The same call the `evaluate` stage makes (`lm_rerank`, greedy, the shared
+strict parser, invalid answers fall back to the incoming order): our KV-cache
+loop for an AR checkpoint, the threshold decoder (`--tau`, `--sub-block-size`)
+for a block-diffusion one, with paired bootstrap 95% intervals of the
+difference to the incoming order (2,000 resamples, seed 0). For a look at a
+checkpoint without running the stages that `evaluate` waits for.
 
     python experiments/eval_checkpoint.py --root WORKSPACE checkpoints/gr2-sft checkpoints/gr2
+    python experiments/eval_checkpoint.py --root WORKSPACE --splits test --max-examples 300 --sub-block-size 8 checkpoints/dgr2-cft
+
+`--max-examples N` scores the first N examples of each split only: a quick
+look while tuning, not a result (evaluate scores every example).
 
 Prints one JSON line per checkpoint and split, then, when several checkpoints
 are given, one line per later checkpoint and split with its paired differences
@@ -24,7 +29,7 @@ import numpy as np
 
 from gr2model.checkpoint import load_hf_checkpoint
 from gr2model.data import load_prepared
-from gr2model.rerank_eval import fixed_rankings, lm_rerank, rerank_examples
+from gr2model.rerank_eval import decoder_kwargs, fixed_rankings, lm_rerank, rerank_examples
 from gr2model.rerank_format import ItemText
 from gr2model.metrics import bootstrap_ci, per_example_gain
 from tasks.evaluate import CI_METRICS, add_intervals, scored
@@ -38,11 +43,16 @@ def main() -> None:
     p.add_argument("--splits", default="valid,test")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--max-new-tokens", type=int, default=320)
+    p.add_argument("--tau", type=float, default=0.9, help="commit threshold of a block-diffusion checkpoint")
+    p.add_argument("--sub-block-size", type=int, default=None, help="its sub-block size (default: the whole block)")
+    p.add_argument("--max-examples", type=int, default=0, help="first N examples per split (0: all)")
     a = p.parse_args()
     fmt = load_format(a.root)
     ds, _ = load_prepared(a.root / "data/prepared")
     items = ItemText(ds.items)
     lists = {split: rerank_examples(load_lists(a.root, split)) for split in a.splits.split(",")}
+    if a.max_examples:
+        lists = {split: df.head(a.max_examples) for split, df in lists.items()}
     # The incoming order, scored as evaluate scores its prerank row: the reference of the paired differences.
     prerank = {s: scored(fixed_rankings(df["candidates"].to_list(), df["candidates"].to_list()), df["target"].to_list()) for s, df in lists.items()}
     first: dict[str, np.ndarray] = {}  # the first checkpoint's per-example target ranks, per split
@@ -54,9 +64,15 @@ def main() -> None:
         seconds = {}
         for split, df in lists.items():
             t0 = time.perf_counter()
-            result = lm_rerank(model, tok, df, items, fmt, batch_size=a.batch_size, max_new_tokens=a.max_new_tokens)
+            result = lm_rerank(
+                model, tok, df, items, fmt, batch_size=a.batch_size, max_new_tokens=a.max_new_tokens,
+                **decoder_kwargs(model, a.tau, sub_block_size=a.sub_block_size),
+            )
             results[ckpt][split], ranks[ckpt][split] = scored(result.parsed, df["target"].to_list())
             seconds[split] = round(time.perf_counter() - t0, 1)
+            # Per row, as the benchmark's: a batch forward serves each of its rows.
+            row_forwards = sum(o.nfe * len(o.sequences) for o in result.outputs)
+            results[ckpt][split]["tokens_per_forward"] = result.generated_tokens / max(row_forwards, 1)
         add_intervals(results, ranks, n_boot=2000, seed=0)  # evaluate's intervals: paired differences to prerank
         for split in lists:
             print(json.dumps({"checkpoint": ckpt, "split": split, **results[ckpt][split], "seconds": seconds[split]}), flush=True)
