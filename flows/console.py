@@ -16,6 +16,7 @@ console (tests, `gr2 schedule run`) still sees them as ordinary INFO records.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import time
 from collections.abc import Iterator, Mapping
@@ -31,7 +32,10 @@ LOG_DIR = Path("logs")
 LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
 # Loggers that speak for the tools, not for the pipeline: kept off the quiet console even at WARNING
 # (a failed task's traceback from Prefect repeats what the failure summary says).
-TOOL_LOGGERS = ("prefect", "httpx", "httpcore", "mlflow", "alembic", "urllib3", "dvc", "uvicorn", "fastapi", "git")
+TOOL_LOGGERS = (
+    "prefect", "httpx", "httpcore", "mlflow", "alembic", "urllib3", "dvc", "uvicorn", "fastapi", "git",
+    "py.warnings",  # libraries' warnings.warn (e.g. MLflow's pyfunc signature notes), captured into logging
+)  # fmt: skip
 CHATTY = ("httpx", "httpcore")  # INFO on every HTTP request to Prefect's API
 
 console_log = logging.getLogger(CONSOLE_LOGGER)
@@ -56,6 +60,9 @@ class RunLog:
     handlers: list[logging.Handler]
     saved_levels: dict[str, int]
     replaced: list[logging.Handler]  # the console handlers it took off the root logger
+    # MLflow's own stderr handlers (it does not propagate to the root logger): taken off while quiet.
+    mlflow_handlers: list[logging.Handler] | None = None
+    env: dict[str, str | None] | None = None  # environment variables it set, with their old values
 
     def close(self) -> None:
         """Remove the handlers this run added; put back the ones it replaced and the levels it changed."""
@@ -67,6 +74,17 @@ class RunLog:
             root.addHandler(h)
         for name, level in self.saved_levels.items():
             logging.getLogger(name).setLevel(level)
+        if self.mlflow_handlers is not None:
+            mlflow_log = logging.getLogger("mlflow")
+            mlflow_log.propagate = False
+            for h in self.mlflow_handlers:
+                mlflow_log.addHandler(h)
+            logging.captureWarnings(False)
+        for key, old in (self.env or {}).items():
+            if old is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = old
 
 
 def setup_run_logging(root: Path, verbose: bool = False, stream: TextIO | None = None, run_name: str | None = None) -> RunLog:
@@ -98,10 +116,31 @@ def setup_run_logging(root: Path, verbose: bool = False, stream: TextIO | None =
     saved = {name: logging.getLogger(name).level for name in (*CHATTY, CONSOLE_LOGGER, "")}
     top.setLevel(min(top.level or logging.INFO, logging.INFO))
     console_log.setLevel(logging.INFO)
+    run_log = RunLog(path, [file_handler, console], saved, replaced)
     if not verbose:
         for name in CHATTY:
             logging.getLogger(name).setLevel(logging.WARNING)
-    return RunLog(path, [file_handler, console], saved, replaced)
+        _quiet_mlflow(run_log)
+    return run_log
+
+
+def _quiet_mlflow(run_log: RunLog) -> None:
+    """Route MLflow's records, and libraries' warnings, through the root logger (the file; the console drops them).
+
+    `import mlflow` gives its logger its own stderr handler and stops propagation,
+    so its INFO lines ("Creating initial MLflow database tables...") would bypass
+    the quiet console; its artifact downloads draw tqdm bars on stderr.
+    """
+    import mlflow  # noqa: F401  (configures its loggers now, not after we have moved them)
+
+    mlflow_log = logging.getLogger("mlflow")
+    run_log.mlflow_handlers = list(mlflow_log.handlers)
+    for h in run_log.mlflow_handlers:
+        mlflow_log.removeHandler(h)
+    mlflow_log.propagate = True
+    logging.captureWarnings(True)
+    run_log.env = {"MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": os.environ.get("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR")}
+    os.environ["MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"] = "false"
 
 
 # --- the stage lines ------------------------------------------------------------------------------

@@ -44,6 +44,32 @@ def test_quiet_console_and_full_log_file(tmp_path: Path) -> None:
     assert logging.getLogger("httpx").level == logging.NOTSET
 
 
+def test_mlflow_lines_and_library_warnings_stay_off_the_quiet_console(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """MLflow logs through its own stderr handler and does not propagate: the quiet run routes it to the file."""
+    import os
+    import warnings
+
+    import mlflow  # noqa: F401  (its loggers configured as a real run has them)
+
+    monkeypatch.delenv("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", raising=False)
+    mlflow_log = logging.getLogger("mlflow")
+    before = list(mlflow_log.handlers)
+    out = io.StringIO()
+    run_log = setup_run_logging(tmp_path, stream=out, run_name="r3")
+    try:
+        assert os.environ["MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"] == "false"
+        logging.getLogger("mlflow.store.db.utils").warning("Creating initial MLflow database tables...")
+        warnings.warn("An input example was not provided", UserWarning, stacklevel=1)
+    finally:
+        run_log.close()
+    assert out.getvalue() == ""
+    log = (tmp_path / "logs/r3.log").read_text()
+    assert "Creating initial MLflow database tables" in log and "An input example was not provided" in log
+    # closed: MLflow's own handlers and setting are back, and so is the environment
+    assert mlflow_log.handlers == before and mlflow_log.propagate is False
+    assert "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR" not in os.environ
+
+
 def test_verbose_console_shows_everything(tmp_path: Path) -> None:
     out = io.StringIO()
     run_log = setup_run_logging(tmp_path, verbose=True, stream=out, run_name="r2")
