@@ -41,14 +41,26 @@ CHATTY = ("httpx", "httpcore")  # INFO on every HTTP request to Prefect's API
 console_log = logging.getLogger(CONSOLE_LOGGER)
 
 
+# The pipeline's own code (not its tests, not the venv).
+OWN_CODE = tuple(Path(__file__).resolve().parents[1] / d for d in ("flows", "tasks", "gr2model"))
+
+
 class _QuietConsole(logging.Filter):
-    """Pass the stage lines, and warnings of the pipeline's own loggers; drop the rest."""
+    """Pass the stage lines, and warnings of the pipeline's own code; drop the rest.
+
+    Our code also warns through Prefect's run logger (e.g. "MLflow run ... marked
+    KILLED" in the flow), whose records carry a tool logger's name: what counts
+    is where the call is, so a warning from a file of this project passes.
+    """
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.name == CONSOLE_LOGGER or record.name.startswith(CONSOLE_LOGGER + "."):
             return True
         if record.levelno < logging.WARNING:
             return False
+        where = Path(record.pathname).resolve()
+        if any(where.is_relative_to(d) for d in OWN_CODE):
+            return True
         return not any(record.name == t or record.name.startswith(t + ".") for t in TOOL_LOGGERS)
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import subprocess
 import sys
 import time
@@ -20,6 +21,9 @@ log = logging.getLogger("flows.dvc")
 
 DVC_ENV = {"DVC_NO_ANALYTICS": "1"}
 PROGRESS_EVERY_S = 5.0
+# A warning or error line of the stage's own loggers (tasks.common.stage_main's format:
+# "<date> <time> <stage> <logger> <LEVEL> <message>"); group 1 is the message.
+STAGE_WARNING = re.compile(r"^\S+ \S+ \S+ (?:tasks|gr2model|flows)(?:\.\S+)? (?:WARNING|ERROR) (.*)$")
 
 
 def stage_order(root: Path) -> list[str]:
@@ -78,7 +82,13 @@ def repro(root: Path, stage: str, env: dict[str, str] | None = None, force: bool
             if time.monotonic() - last_progress < PROGRESS_EVERY_S:
                 continue
             last_progress = time.monotonic()
-        log.info("[%s] %s", stage, line)
+        # The stage's own warnings ("resuming from the state saved after step N") are
+        # for the user: passed on as warnings, so the quiet console shows them.
+        ours = STAGE_WARNING.match(line)
+        if ours:
+            log.warning("[%s] %s", stage, ours.group(1))
+        else:
+            log.info("[%s] %s", stage, line)
     if proc.wait() != 0:
         raise RuntimeError(f"stage '{stage}' failed (exit {proc.returncode}):\n" + "\n".join(tail))
 

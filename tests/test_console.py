@@ -70,6 +70,26 @@ def test_mlflow_lines_and_library_warnings_stay_off_the_quiet_console(tmp_path: 
     assert "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR" not in os.environ
 
 
+def test_our_warnings_pass_under_any_logger_name_and_stage_warnings_are_found() -> None:
+    """The flow warns through Prefect's run logger: where the call is decides, not the logger's name."""
+    from flows.console import OWN_CODE, _QuietConsole
+    from flows.dvc_stages import STAGE_WARNING
+
+    def record(name: str, path: str, level: int = logging.WARNING) -> logging.LogRecord:
+        return logging.LogRecord(name, level, path, 1, "MLflow run x was still RUNNING: marked KILLED", None, None)
+
+    quiet = _QuietConsole()
+    ours = str(OWN_CODE[0] / "pipeline.py")
+    assert quiet.filter(record("prefect.flow_runs", ours))
+    assert not quiet.filter(record("prefect.flow_runs", ours, logging.INFO))
+    assert not quiet.filter(record("prefect.flow_runs", "/venv/lib/python3.11/site-packages/prefect/engine.py"))
+    assert not quiet.filter(record("prefect.task_runs", __file__))  # tests are not the pipeline
+    line = "2026-12-05 17:52:28,662 sft tasks.sft WARNING resuming from the state saved after step 12 (/w/.gr2/x)"
+    assert STAGE_WARNING.match(line).group(1).startswith("resuming from the state saved after step 12")
+    assert STAGE_WARNING.match("2026-12-05 17:52:28,662 sft accelerate.accelerator WARNING x") is None
+    assert STAGE_WARNING.match("2026-12-05 17:52:28,662 sft tasks.sft INFO x") is None
+
+
 def test_verbose_console_shows_everything(tmp_path: Path) -> None:
     out = io.StringIO()
     run_log = setup_run_logging(tmp_path, verbose=True, stream=out, run_name="r2")
