@@ -81,7 +81,7 @@ class BenchParams(StageConfig):
     models: list[str] = ["dgr2-cft", "dgr2"]  # diffusion models raced against GR2 (those that exist)
     sub_block_sizes: list[Count] = []  # extra diffusion rows decoding sub-block by sub-block (each must divide the block)
     # Speculative rows: GR2 verifies what each of these diffusion models drafts (those that exist).
-    spec_models: list[str] = ["dgr2-opd", "dgr2"]
+    spec_models: list[str] = ["dgr2-naive", "dgr2-cft", "dgr2-opd", "dgr2"]
     spec_draft_len: Count = 8  # tokens drafted per round (the drafter stops at its block end anyway)
     spec_steps: Count = 2  # denoising forwards of the drafter per round
 
