@@ -89,17 +89,19 @@ def test_dvc_outputs_and_metrics(smoke_run: dict[str, Any]) -> None:
     assert "## Speculative decoding" in (ws / "reports/evaluate.md").read_text()
     speed = json.loads((ws / "metrics/speed.json").read_text())
     # smoke bench: batch sizes 1 and 4; AR (ours, HF) + dgr2-cft and dgr2 at two thresholds each,
-    # whole blocks and sub-blocks of 8 + GR2 verifying the drafts of dgr2-opd and dgr2
-    assert len(speed["rows"]) == 2 * (2 + 2 * 2 * 2 + 2)
+    # whole blocks and sub-blocks of 8 + GR2 verifying the drafts of each drafter stage (naive, cft, opd, rl)
+    assert len(speed["rows"]) == 2 * (2 + 2 * 2 * 2 + 4)
     spec_rows = [r for r in speed["rows"] if r["decoder"] == "spec"]
-    assert sorted((r["model"], r["batch_size"]) for r in spec_rows) == [("dgr2", 1), ("dgr2", 4), ("dgr2-opd", 1), ("dgr2-opd", 4)]
+    assert sorted((r["model"], r["batch_size"]) for r in spec_rows) == [
+        (m, b) for m in ("dgr2", "dgr2-cft", "dgr2-naive", "dgr2-opd") for b in (1, 4)
+    ]
     for r in spec_rows:
         assert r["equal_to_gr2"] > 0.5 and r["draft_len"] == 4 and r["mean_accepted_length"] >= 0
         assert abs(r["ar_forwards_per_token"] + r["draft_forwards_per_token"] - r["nfe_per_token"]) < 1e-9
     assert sorted({r["sub_block_size"] for r in speed["rows"] if r["decoder"] == "diffusion"}, key=str) == [8, None]
     assert {r["model"] for r in speed["rows"] if r["decoder"] == "diffusion"} == {"dgr2-cft", "dgr2"}
     for row in speed["rows"]:
-        assert set(row) >= {"decoder", "model", "tau", "batch_size", "tokens_per_s", "speedup", "nfe_per_token", "response_tokens", "recall@1", "valid_format_rate"}
+        assert set(row) >= {"decoder", "model", "tau", "batch_size", "tokens_per_s", "speedup", "nfe_per_token", "forward_cost", "projected_speedup", "response_tokens", "recall@1", "valid_format_rate"}
         assert row["tokens_per_s"] > 0 and row["nfe_per_token"] > 0
     for bs in (1, 4):
         ar = [r for r in speed["rows"] if r["batch_size"] == bs and r["decoder"] in ("ar", "hf")]
