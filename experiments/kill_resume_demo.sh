@@ -15,8 +15,8 @@ until [ -n "$(find ".gr2/resume/$stage" -name 'step-*' 2>/dev/null)" ]; do
   kill -0 "$pid" 2>/dev/null || { echo "gr2 run ended before $stage saved a state"; cat kill_demo_run1.out; exit 1; }
   sleep 0.2
 done
-sleep 3  # let it train on past the first save
-echo "saved states before the kill:"; find ".gr2/resume/$stage" -maxdepth 3 -name 'step-*'
+sleep 0.5  # let it train a little past the first save
+echo "saved states before the kill:"; find ".gr2/resume/$stage" -maxdepth 3 -name "step-*" || true
 kill -9 -- "-$pid"
 sleep 2
 gr2 run --stage "$stage" | tee kill_demo_run2.out
