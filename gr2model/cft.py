@@ -96,6 +96,7 @@ from accelerate import Accelerator
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from gr2model.bounds import FieldRangeError, check
+from gr2model.kl import token_kl
 from gr2model.resume import Checkpointer
 from gr2model.sft import IGNORE_INDEX, SFTConfig, _stats, encode_example, run_train_loop
 
@@ -572,10 +573,7 @@ def _loss_sums(
             if t_sel.shape[-1] < out.logits.shape[-1]:
                 # The conversion appended `<|mask|>` to the vocabulary: the teacher never writes it.
                 t_sel = F.pad(t_sel, (0, out.logits.shape[-1] - t_sel.shape[-1]), value=float("-inf"))
-            t_logp = torch.log_softmax(t_sel, dim=-1)  # (K, V)
-        s_logp = torch.log_softmax(out.logits.float(), dim=-1)
-        # KL(teacher || student); xlogy-style: 0 * log 0 = 0 where the teacher gives no mass.
-        kl = torch.where(t_logp.isfinite(), t_logp.exp() * (t_logp - s_logp), 0.0).sum(-1)  # (K,)
+        kl = token_kl(out.logits, t_sel, "forward")  # (K,) KL(teacher || student)
         per_token = nll + kd_weight * kl * (kind != KIND_PAD)
     weighted = (w * per_token).sum()
     with torch.no_grad():
