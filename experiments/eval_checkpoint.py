@@ -31,8 +31,7 @@ from gr2model.checkpoint import load_hf_checkpoint
 from gr2model.data import load_prepared
 from gr2model.rerank_eval import decoder_kwargs, fixed_rankings, lm_rerank, rerank_examples
 from gr2model.rerank_format import ItemText
-from gr2model.metrics import bootstrap_ci, per_example_gain
-from tasks.evaluate import CI_METRICS, add_intervals, scored
+from tasks.evaluate import CI_METRICS, add_intervals, paired_difference, scored
 from tasks.traces import load_format, load_lists
 
 
@@ -80,11 +79,10 @@ def main() -> None:
             first = ranks[ckpt]
             continue
         for split in lists:  # paired on the same examples in the same order, as evaluate's `_vs_` intervals
-            vs = {}
-            for metric in CI_METRICS:
-                gain, base = per_example_gain(ranks[ckpt][split], metric), per_example_gain(first[split], metric)
-                lo, hi = bootstrap_ci(gain, baseline=base, n_boot=2000, seed=0)
-                vs[f"{metric}_vs_first"] = {"diff": float(gain.mean() - base.mean()), "ci95": [lo, hi]}
+            vs = {
+                f"{metric}_vs_first": paired_difference(ranks[ckpt][split], first[split], metric, n_boot=2000, seed=0)
+                for metric in CI_METRICS
+            }
             print(json.dumps({"checkpoint": ckpt, "first": a.checkpoints[0], "split": split, **vs}), flush=True)
 
 

@@ -173,6 +173,17 @@ def scored(parsed: Sequence[ParsedResponse], targets: Sequence[int]) -> tuple[di
     return rerank_metrics(parsed, targets), target_ranks(parsed, targets)
 
 
+def paired_difference(ranks: np.ndarray, ref_ranks: np.ndarray, metric: str, *, n_boot: int, seed: int) -> dict[str, Any]:
+    """{"diff": mean gain - mean reference gain, "ci95": [lo, hi]} of `metric`, paired bootstrap.
+
+    ranks, ref_ranks: (n,) per-example target ranks of two models on the same
+    examples in the same order (`scored`).
+    """
+    gain, base = per_example_gain(ranks, metric), per_example_gain(ref_ranks, metric)
+    lo, hi = bootstrap_ci(gain, baseline=base, n_boot=n_boot, seed=seed)
+    return {"diff": float(gain.mean() - base.mean()), "ci95": [lo, hi]}
+
+
 def add_intervals(
     results: dict[str, dict[str, dict[str, Any]]], ranks: dict[str, dict[str, np.ndarray]], *, n_boot: int, seed: int
 ) -> None:
@@ -193,9 +204,7 @@ def add_intervals(
                     refs.append("gr2")
                 for ref in refs:
                     # A model scored on fewer examples (diffusion_max_examples) saw the first len(r).
-                    base = per_example_gain(ranks[ref][split][: len(r)], metric)
-                    lo, hi = bootstrap_ci(gain, baseline=base, n_boot=n_boot, seed=seed)
-                    m[f"{metric}_vs_{ref}"] = {"diff": float(gain.mean() - base.mean()), "ci95": [lo, hi]}
+                    m[f"{metric}_vs_{ref}"] = paired_difference(r, ranks[ref][split][: len(r)], metric, n_boot=n_boot, seed=seed)
 
 
 def ablation_table(results: dict[str, dict[str, dict[str, Any]]], split: str) -> str:
