@@ -372,9 +372,7 @@ class PolicyRun:
             return 0
         checkpointer.attach(self.accelerator, _PolicyRunState(self, history))
         start = checkpointer.restore()
-        if on_step is not None and self.accelerator.is_main_process:
-            for metrics in history:
-                on_step(metrics)
+        checkpointer.replay(history, on_step)
         return start
 
     def finish(self) -> PreTrainedModel:

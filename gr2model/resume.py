@@ -36,7 +36,7 @@ import os
 import re
 import shutil
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -157,6 +157,15 @@ class Checkpointer:
         self._last_save = self._clock()
         self._log.warning("resuming from the state saved after step %d (%s)", step, folder)
         return step
+
+    def replay(self, history: Sequence[dict[str, float]], callback: Callable[[dict[str, float]], None] | None) -> None:
+        """Pass each restored history entry to `callback` on the main process (nothing
+        on a fresh start, whose history is empty): a tracker that starts with this
+        process then records the whole curve."""
+        accelerator, _ = self._attached()
+        if callback is not None and accelerator.is_main_process:
+            for metrics in history:
+                callback(metrics)
 
     # ------------------------------------------------------------------- save
 

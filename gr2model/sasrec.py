@@ -639,9 +639,7 @@ def train_sasrec(
         checkpointer.attach(accelerator, state)
         if checkpointer.restore() > 0:
             restored_finished = state.finished
-            if main and on_epoch is not None:
-                for row in history:  # a tracker starting with this process gets the whole curve
-                    on_epoch(row)
+            checkpointer.replay(history, on_epoch)
     if tcfg.epochs < 1:
         state.finished = True
 

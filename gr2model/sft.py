@@ -521,9 +521,7 @@ def run_train_loop(
     if checkpointer is not None:
         checkpointer.attach(accelerator, position, scheduler)
         resumed = checkpointer.restore() > 0
-        if on_step is not None and accelerator.is_main_process:
-            for metrics in history:  # a tracker starting with this process gets the whole curve
-                on_step(metrics)
+        checkpointer.replay(history, on_step)
 
     world = accelerator.num_processes
     step = position.step

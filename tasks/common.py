@@ -24,6 +24,7 @@ import yaml
 from pydantic import BaseModel, Field, ValidationError
 
 from gr2model.bounds import FieldRangeError
+from tasks.tracking import flatten
 
 if TYPE_CHECKING:  # torch and accelerate load only in the training stages, not in the gr2 CLI
     from gr2model.resume import Checkpointer
@@ -174,15 +175,6 @@ def stage_inputs(root: Path, stage: str) -> dict[str, str]:
     return {dep: _md5_of(root / dep) for dep in deps}
 
 
-def _flat(d: Any, prefix: str = "") -> dict[str, Any]:
-    if not isinstance(d, dict):
-        return {prefix: d}
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        out.update(_flat(v, f"{prefix}.{k}" if prefix else str(k)))
-    return out
-
-
 class StageResume:
     """Where a training stage keeps its resumable states, and whether they fit this run.
 
@@ -225,7 +217,7 @@ class StageResume:
             return "it has no readable manifest"
         reasons = []
         for part, what in (("params", "params changed"), ("inputs", "inputs changed")):
-            mine, old = _flat(self.manifest[part]), _flat(theirs.get(part, {}))
+            mine, old = flatten(self.manifest[part]), flatten(theirs.get(part, {}))
             changed = sorted(k for k in mine.keys() | old.keys() if mine.get(k) != old.get(k))
             if changed:
                 reasons.append(f"{what}: {', '.join(changed[:8])}{' ...' if len(changed) > 8 else ''}")
