@@ -128,7 +128,7 @@ def _row(
         "seconds": out.seconds,
         "tokens_per_s": out.generated_tokens / max(out.seconds, 1e-9),
         "speedup": float("nan"),  # filled once the best AR decoder of this batch size is known
-        "forward_cost": float("nan"),  # filled against our AR loop's row (`_relative_to_ar`)
+        "forward_cost": float("nan"),  # filled against our AR loop's row (`_relative_to`)
         "projected_speedup": float("nan"),
         "nfe_per_token": _row_forwards(out, batch_size=batch_size) / tokens,
         "tokens_per_forward": tokens / max(_row_forwards(out, batch_size=batch_size), 1),
