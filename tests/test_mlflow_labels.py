@@ -41,3 +41,29 @@ def test_version_description_names_model_stage_checkpoint_and_numbers(tmp_path: 
     after = version_description(spec, tmp_path, "abc.dir", EVAL)
     assert "Evaluation (test, n=2076): R@1 0.3372 [0.3170, 0.3570], R@1 - pre-rank order +0.0149 [+0.0058, +0.0246]" in after
     assert "valid permutations 0.9986" in after
+
+
+def test_registry_prints_go_to_the_log_file_not_the_quiet_console(tmp_path: Path, own_store: str) -> None:  # noqa: F811
+    """MLflow prints "Created version ..." straight to stderr; around registration it is logged instead."""
+    import io
+
+    import mlflow
+
+    from flows.console import setup_run_logging
+    from flows.registry import log as registry_log
+    from flows.registry import mlflow_prints_to_log
+
+    source = tmp_path / "model"  # a plain folder: registering it prints the same lines as a logged model
+    source.mkdir()
+    out = io.StringIO()
+    run_log = setup_run_logging(tmp_path, stream=out, run_name="reg")
+    try:
+        with mlflow_prints_to_log(registry_log):
+            mlflow.register_model(source.as_uri(), "m")
+            mlflow.register_model(source.as_uri(), "m")
+    finally:
+        run_log.close()
+    assert out.getvalue() == ""
+    log = (tmp_path / "logs/reg.log").read_text()
+    assert "Successfully registered model 'm'" in log and "Created version '2' of model 'm'" in log
+    assert "already exists" in log
