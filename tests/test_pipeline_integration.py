@@ -199,3 +199,33 @@ def test_registered_reranker_reranks(smoke_run: dict[str, Any], name: str) -> No
     out = model.predict(pd.DataFrame(row), params={"max_new_tokens": 64})
     assert sorted(out["ranking"][0]) == candidates  # a permutation, even when the raw answer is invalid
     assert isinstance(bool(out["valid"][0]), bool) and isinstance(out["response"][0], str)
+
+
+def test_stage_figures_on_their_runs_and_prefect_artifacts(smoke_run: dict[str, Any]) -> None:
+    """Each training stage's run holds its figures; each task run is named after its stage; the report is published."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey, TaskRunFilter, TaskRunFilterName
+
+    ws = smoke_run["ws"]
+    client = _mlflow(ws)
+    ran = {s["stage"]: s for s in smoke_run["first"]}
+    for stage in ("retrieve", "sft", "ar_rl", "cft", "opd", "rl"):
+        logged = sorted(a.path for a in client.list_artifacts(ran[stage]["run_id"], "figures"))
+        assert f"figures/{stage}_training_curves.png" in logged and logged == sorted(ran[stage]["figures"])
+    assert "figures/retrieve_full_ranking_test.png" in ran["retrieve"]["figures"]
+    assert {"figures/evaluate_ablation_test.png", "figures/evaluate_ablation_valid.png"} <= set(ran["evaluate"]["figures"])
+    assert ran["prepare"]["figures"] == []
+    stages = list(ran)
+    with get_client(sync_client=True) as prefect:
+        names = {t.name for t in prefect.read_task_runs(task_run_filter=TaskRunFilter(name=TaskRunFilterName(any_=stages)))}
+        assert set(stages) <= names
+        by_key = {}
+        for key in ("gr2-report", "gr2-report-html", "stage-ar-rl"):
+            found = prefect.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key])))
+            by_key[key] = found
+    report_md = [a.data for a in by_key["gr2-report"]]
+    assert any("| evaluate | ran |" in md and "### Ablation (test)" in md and str(ws / "reports/index.html") in md for md in report_md)
+    assert any((ws / "reports/index.html").as_uri() in str(a.data) for a in by_key["gr2-report-html"])
+    stage_md = [a.data for a in by_key["stage-ar-rl"]]
+    assert any(md.startswith("### ar_rl: ran in ") and "reward " in md for md in stage_md)
+    assert any(md.startswith("### ar_rl: skipped (up to date)") for md in stage_md)  # the second run's
