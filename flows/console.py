@@ -181,6 +181,7 @@ def _quiet_mlflow(run_log: RunLog) -> None:
 
 PROGRESS_PRINT_EVERY_S = 60.0  # off a terminal: at most one progress line a minute per stage
 REDRAW_EVERY_S = 0.2  # on a terminal: redraw at most 5 times a second (tqdm refreshes up to 10)
+TICK_S = 1.0  # on a terminal: redraw at least once a second, so the stage's clock moves and a bar's last state shows
 BAR_WIDTH = 20
 
 _NUM = r"[\d.]+[kMGTPEZY]?"  # tqdm's n and total, with unit_scale's suffixes
@@ -250,14 +251,23 @@ class LiveProgress:
     console output, so log lines never land in the middle of it. Elsewhere the
     same text goes out through the `gr2.console` logger at most every `every_s`
     seconds of a stage (so into the log file as well), never once per refresh.
-    `clock` is injectable so tests need no sleeping.
+    On a terminal a ticker thread also redraws every `tick_s` seconds (None: no
+    ticker): an update that came within REDRAW_EVERY_S of the last draw (often a
+    short bar's final state) is shown, and the stage's clock moves while it
+    prints no bar. `clock` is injectable so tests need no sleeping.
     """
 
-    def __init__(self, stream: TextIO, tty: bool, *, every_s: float = PROGRESS_PRINT_EVERY_S, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, stream: TextIO, tty: bool, *, every_s: float = PROGRESS_PRINT_EVERY_S, tick_s: float | None = TICK_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:  # fmt: skip
         self.stream = stream
         self.tty = tty
         self.every_s = every_s
+        self.tick_s = tick_s
         self.clock = clock
+        self._ticker: threading.Thread | None = None
+        self._stop = threading.Event()
         self._lock = threading.RLock()
         self._stage: tuple[int, int, str] | None = None
         self._started = 0.0
@@ -271,12 +281,27 @@ class LiveProgress:
             self._stage = (position, total, stage)
             self._started = self._last_print = self.clock()
             self._bar = None
+            if self.tty and self.tick_s and self._ticker is None:
+                self._stop.clear()
+                self._ticker = threading.Thread(target=self._tick, name="gr2-progress", daemon=True)
+                self._ticker.start()
 
     def end(self) -> None:
         with self._lock:
             self.hide()
             self._stage = None
             self._bar = None
+            ticker, self._ticker = self._ticker, None
+        if ticker is not None:
+            self._stop.set()
+            ticker.join()
+
+    def _tick(self) -> None:
+        while not self._stop.wait(self.tick_s):
+            with self._lock:
+                if self._stage is not None:
+                    self._last_draw = self.clock()
+                    self._draw(self.text())
 
     def text(self) -> str:
         """The current progress text; "" between stages."""
@@ -324,7 +349,7 @@ class LiveProgress:
     def show(self) -> None:
         """Redraw the live line (terminal only) after other output."""
         with self._lock:
-            if self.tty and self._stage is not None and self._bar is not None:
+            if self.tty and self._stage is not None and (self._bar is not None or self._ticker is not None):
                 self._draw(self.text())
 
 

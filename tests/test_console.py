@@ -181,6 +181,7 @@ def test_live_line_on_a_terminal_is_redrawn_in_place_around_log_lines(tmp_path: 
     run_log = setup_run_logging(tmp_path, stream=out, run_name="t1", live=True)
     clock = _Clock()
     console._live.clock = clock
+    console._live.tick_s = None  # no ticker thread: every draw below comes from an update or a log line
     try:
         with stage_lines(5, 11, "sft", tmp_path) as lines:
             clock.t += 83
@@ -249,3 +250,32 @@ def test_repro_feeds_the_stage_bars_to_the_live_line(tmp_path: Path, monkeypatch
     dvc_stages.repro(tmp_path, "sft")
     assert [(b.desc, b.n, b.total) for b in seen][-1] == ("sft", "5", "5")
     assert {b.n for b in seen} >= {"0", "1", "2", "3", "4", "5"}
+
+
+def test_ticker_redraws_the_latest_state_and_stops_with_the_stage(tmp_path: Path) -> None:
+    """On a terminal an update within the redraw interval is drawn by the ticker, not lost."""
+    import threading
+
+    from flows.console import BarState, LiveProgress
+
+    class _Stream(io.StringIO):
+        def __init__(self) -> None:
+            super().__init__()
+            self.drawn = threading.Event()
+
+        def write(self, s: str) -> int:
+            if "2/2" in s:
+                self.drawn.set()
+            return super().write(s)
+
+    out = _Stream()
+    live = LiveProgress(out, tty=True, tick_s=0.01)
+    live.begin(8, 11, "cft")
+    live.update(BarState("cft", "1", "2", 50, "00:01", "00:01", "1.00it/s"))
+    live.update(BarState("cft", "2", "2", 100, "00:02", "00:00", "1.00it/s"))  # within REDRAW_EVERY_S of the first
+    assert out.drawn.wait(timeout=30), out.getvalue()
+    live.end()
+    assert live._ticker is None and out.getvalue().endswith("\r\x1b[K")
+    after = out.getvalue()
+    live.update(BarState("cft", "2", "2", 100, "00:02", "00:00", "1.00it/s"))  # between stages: nothing drawn
+    assert out.getvalue() == after
