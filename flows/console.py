@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
-from tasks.report import format_headline, headline_metrics, read_json
+from tasks.report import read_json, stage_headline
 
 CONSOLE_LOGGER = "gr2.console"
 LOG_DIR = Path("logs")
@@ -378,11 +378,6 @@ def stage_progress(bar: BarState) -> None:
 # --- the stage lines ------------------------------------------------------------------------------
 
 
-def _headline(root: Path, stage: str, metrics: Mapping[str, Any] | None) -> str:
-    speed = read_json(root / "metrics" / "speed.json") if stage == "evaluate" else None
-    return format_headline(headline_metrics(stage, metrics, speed))
-
-
 def stage_started(position: int, total: int, stage: str) -> None:
     """`[5/11] sft ...`"""
     console_log.info("[%d/%d] %s ...", position, total, stage)
@@ -391,7 +386,7 @@ def stage_started(position: int, total: int, stage: str) -> None:
 def stage_finished(position: int, total: int, summary: Mapping[str, Any], root: Path, seconds: float) -> None:
     """`[5/11] sft ran in 123.4 s: loss 0.0975, valid loss 0.0803` (skipped: the metrics on disk)."""
     stage = summary["stage"]
-    head = _headline(root, stage, summary.get("metrics"))
+    head = stage_headline(root, stage, summary.get("metrics"))
     status = "ran" if summary.get("status") == "ran" else "skipped (up to date)"
     console_log.info("[%d/%d] %s %s in %.1f s%s", position, total, stage, status, seconds, f": {head}" if head else "")
 
@@ -439,7 +434,7 @@ def status_rows(root: Path, stages: list[str], changed: set[str] | None) -> list
                 "metrics": path.exists(),
                 "written": time.strftime("%Y-%m-%d %H:%M", time.localtime(path.stat().st_mtime)) if path.exists() else "",
                 "seconds": (metrics or {}).get("seconds"),
-                "headline": _headline(root, stage, metrics),
+                "headline": stage_headline(root, stage, metrics),
                 "dvc": None if changed is None else ("out of date" if stage in changed else "up to date"),
             }
         )

@@ -25,7 +25,7 @@ from flows.console import stage_lines
 from flows.promote import record_evaluations_task
 from flows.registry import MODEL_STAGES, register_checkpoint
 from flows.reproduce import record_lineage, runtime_tags
-from tasks.report import REPORT_HTML, format_headline, headline_metrics, log_stage_figures, read_json, report_markdown
+from tasks.report import REPORT_HTML, log_stage_figures, report_markdown, stage_headline
 from tasks.tracking import close_stale_runs, configure, experiment_id, flatten, git_lineage, metric_key, owner_tags
 
 
@@ -39,19 +39,14 @@ def artifact_key(stage: str) -> str:
     return "stage-" + stage.replace("_", "-")
 
 
-def _stage_headline(root: Path, summary: dict[str, Any]) -> str:
-    speed = read_json(root / "metrics" / "speed.json") if summary["stage"] == "evaluate" else None
-    return format_headline(headline_metrics(summary["stage"], summary["metrics"], speed))
-
-
 def _stage_artifact(root: Path, summary: dict[str, Any]) -> None:
     """The stage's headline as a markdown artifact of its task run (the task run is named after the stage)."""
     stage = summary["stage"]
     if summary["status"] == "ran":
-        lines = [f"### {stage}: ran in {summary['seconds']:.1f} s", "", _stage_headline(root, summary) or "(no headline metrics)", ""]
+        lines = [f"### {stage}: ran in {summary['seconds']:.1f} s", "", stage_headline(root, stage, summary["metrics"]) or "(no headline metrics)", ""]
         lines.append(f"MLflow run `{summary['run_id']}`" + (f"; figures: {', '.join(f'`{f}`' for f in summary['figures'])}" if summary.get("figures") else ""))
     else:
-        lines = [f"### {stage}: skipped (up to date)", "", _stage_headline(root, summary) or "(no headline metrics)"]
+        lines = [f"### {stage}: skipped (up to date)", "", stage_headline(root, stage, summary["metrics"]) or "(no headline metrics)"]
     create_markdown_artifact("\n".join(lines) + "\n", key=artifact_key(stage), description=f"stage {stage}: headline metrics")
 
 
@@ -174,7 +169,7 @@ def _summary_table(summaries: list[dict[str, Any]], root: Path) -> list[dict[str
                 "stage": s["stage"],
                 "status": s["status"],
                 "seconds": s["seconds"],
-                "headline": _stage_headline(root, s),
+                "headline": stage_headline(root, s["stage"], s["metrics"]),
                 "mlflow_run": s["run_id"] or "",
                 "metrics": ", ".join(f"{k}={v}" for k, v in m.items() if isinstance(v, (int, float)))[:300],
             }

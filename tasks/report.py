@@ -184,6 +184,13 @@ def headline_metrics(stage: str, metrics: Mapping[str, Any] | None, speed: Mappi
     return out[:2]
 
 
+def stage_headline(root: Path, stage: str, metrics: Mapping[str, Any] | None) -> str:
+    """The formatted headline of a stage from its metrics (`evaluate` also reads metrics/speed.json):
+    the console's end line, `gr2 status`, the Prefect artifacts."""
+    speed = read_json(root / METRICS_DIR / f"{SPEED_STAGE}.json") if stage == "evaluate" else None
+    return format_headline(headline_metrics(stage, metrics, speed))
+
+
 def format_headline(items: Sequence[tuple[str, float | str]]) -> str:
     """`[("R@10", 0.0928)] -> "R@10 0.0928"`; counts print as integers."""
     parts = []
@@ -419,7 +426,7 @@ def report_markdown(root: Path, summaries: Sequence[Mapping[str, Any]]) -> str:
     speed = read_json(root / METRICS_DIR / f"{SPEED_STAGE}.json")
     lines = ["## Diffusion-GR2 pipeline", "", "| stage | status | seconds | headline |", "|---|---|---:|---|"]
     for s in summaries:
-        head = format_headline(headline_metrics(s["stage"], s.get("metrics"), speed if s["stage"] == "evaluate" else None))
+        head = stage_headline(root, s["stage"], s.get("metrics"))
         status = "ran" if s.get("status") == "ran" else "skipped (up to date)"
         lines.append(f"| {_md_cell(s['stage'])} | {status} | {float(s.get('seconds') or 0.0):.1f} | {_md_cell(head or '-')} |")
     evaluate = read_json(root / METRICS_DIR / "evaluate.json")
