@@ -226,7 +226,7 @@ def pipeline(root: str = ".", stages: list[str] | None = None, force: bool = Fal
             with stage_lines(position, len(order), stage, rootp) as lines:
                 summary = run_stage.with_options(name=stage, task_run_name=stage)(stage, str(rootp), parent_id, force)
                 if stage in MODEL_STAGES:
-                    summary["registered"] = register_model.with_options(name=f"register-{stage}")(stage, str(rootp), summary)
+                    summary["registered"] = register_model.with_options(name=f"register-{stage}", task_run_name=f"register-{stage}")(stage, str(rootp), summary)
                 lines["summary"] = summary
             summaries.append(summary)
         # After evaluate (and any later stage): each registered version gets its checkpoint's

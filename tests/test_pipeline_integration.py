@@ -229,3 +229,30 @@ def test_stage_figures_on_their_runs_and_prefect_artifacts(smoke_run: dict[str, 
     stage_md = [a.data for a in by_key["stage-ar-rl"]]
     assert any(md.startswith("### ar_rl: ran in ") and "reward " in md for md in stage_md)
     assert any(md.startswith("### ar_rl: skipped (up to date)") for md in stage_md)  # the second run's
+
+
+@pytest.mark.slow
+def test_gr2_run_console_as_a_user_sees_it(smoke_run: dict[str, Any], tmp_path: Path) -> None:
+    """`gr2 run` on a copy of the smoke workspace, console not a terminal: one start and one end line per stage,
+    no tool chatter, no live-line control codes; the stage's output and progress bars are in the log file."""
+    import os
+
+    from test_schedule import _copy_workspace
+
+    ws = _copy_workspace(smoke_run["ws"], tmp_path / "ws")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_"))}
+    env |= {"PREFECT_HOME": str(tmp_path / "prefect"), "OMP_NUM_THREADS": "1", "GR2_TRACKING": "on"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "flows.cli", "run", "--stage", "retrieve", "--force"], cwd=ws, env=env, capture_output=True, text=True, timeout=900
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    console = [line for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]
+    stage_lines = [line for line in console if line.startswith("[")]
+    assert [line.split(" ")[:2] for line in stage_lines] == [["[1/2]", "prepare"]] * 2 + [["[2/2]", "retrieve"]] * 2
+    assert stage_lines[0] == "[1/2] prepare ..." and stage_lines[1].startswith("[1/2] prepare ran in ")
+    assert stage_lines[3].startswith("[2/2] retrieve ran in ") and "R@10 " in stage_lines[3]
+    text = proc.stdout + proc.stderr
+    for chatter in ("httpx", "HTTP Request", "Registered model", "Created version", "%|", "\r", "\x1b["):
+        assert chatter not in text
+    log = next((ws / "logs").glob("*.log")).read_text()
+    assert "[retrieve]" in log and "%|" in log  # the stage's output and some of its bars
