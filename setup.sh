@@ -14,8 +14,10 @@ PYTHON=${PYTHON:-python3}
 if ! command -v chromium >/dev/null 2>&1; then
     if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
         echo "setup.sh: installing chromium (Debian package) for the report's browser test"
-        apt-get update -qq
-        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium >/dev/null
+        # A failed install leaves the Python set-up usable; the browser test then says what is missing.
+        if ! { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium >/dev/null; }; then
+            echo "setup.sh: chromium could not be installed; tests/test_report_browser.py will skip (fail under CI)" >&2
+        fi
     else
         echo "setup.sh: chromium not installed and not root: run 'sudo apt-get install chromium' for the report's browser test" >&2
     fi
