@@ -6,7 +6,7 @@ fd 3 and writes answers on fd 4, each a JSON message ended by a NUL byte), so
 no port is opened and no websocket or driver package is needed. The network is
 switched off in the page (`Network.emulateNetworkConditions`, offline) before it
 loads, and every request the page makes is recorded: a self-contained report
-makes none but its own file (data: images are no requests).
+makes none but its own file and its data: images (Chromium lists those as requests too).
 """
 
 from __future__ import annotations

@@ -38,7 +38,7 @@ def chromium(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Chromium]:
 def _assert_renders(check: PageCheck, n_images: int) -> None:
     assert check.title == "Diffusion-GR2 report"
     assert check.failed == []
-    # The page's only request is the page itself: the figures are data: URIs, nothing else is fetched.
+    # Nothing is fetched but the page itself and its data: URI figures.
     assert all(url.startswith(("file:", "data:")) for url in check.requests), check.requests
     assert len(check.images) == n_images
     for img in check.images:
