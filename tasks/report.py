@@ -275,7 +275,7 @@ def mlflow_curves(root: Path, stages: Sequence[str] = tuple(CURVE_KEYS)) -> dict
 
 # --- the registry ------------------------------------------------------------------------------
 
-REGISTERED_MODELS = ("gr2-retriever", "gr2", "diffusion-gr2")
+REGISTERED_MODELS = ("gr2-retriever", "gr2", "diffusion-gr2", "spec-gr2")  # flows/registry.py registers them
 
 
 def registry_rows(models: Sequence[str] = REGISTERED_MODELS) -> list[dict[str, Any]]:
