@@ -12,12 +12,15 @@ Evidence lives on the registered versions as tags, so a decision can be read
   diffusion model, its decode speed (`speed.tau_<tau>.bs_<b>.<field>`, from
   metrics/speed.json). Numbers are only attached to a version when dvc.lock says
   they were measured on that version's checkpoint hash (or cannot say at all,
-  which is then recorded as `unverified`).
+  which is then recorded as `unverified`). The speculative `spec-gr2` gets its
+  `spec-<drafter>` row (with `equal_to_gr2_rate`) and the bench's speculative
+  rows (`speed.tau_none.bs_<b>.<field>`).
 
 `promote` judges the version against the current champion (gates: no worse on
 the configured metrics beyond a tolerance, valid-format rate at least a floor,
 and for diffusion models a decode speed-up floor at a given tau and batch
-size), then commits under a per-model lock: re-read the champion, refuse if it
+size; for `spec-gr2` answers equal to GR2's on every evaluated example and a
+speed-up floor of its own), then commits under a per-model lock: re-read the champion, refuse if it
 changed since the judgement (compare-and-set), move the alias, read it back,
 and record the decision and its numbers as tags on the version. MLflow has no
 compare-and-set on aliases, so the lock (an fcntl lock file next to the SQLite

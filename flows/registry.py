@@ -5,6 +5,11 @@ checkpoint folder, logged as an artifact, with explicit pip requirements: both
 measured to be the robust and fast choice with transformers 5, see
 shared/notes/STACK.md), tagged with its stage and lineage, and given the alias
 `challenger`. The same checkpoint hash is never registered twice.
+
+`spec-gr2`, the speculative re-ranker (GR2 verifying a diffusion model's
+drafts), is the one version made of two checkpoints: registered after
+`evaluate` from the pair that stage measured, once per pair of hashes, with
+both checkpoints as artifacts and lineage tags to both (`register_speculative`).
 """
 
 from __future__ import annotations
