@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Container, Mapping
+from collections.abc import Callable, Container, Mapping
 from dataclasses import dataclass
 from importlib.metadata import version
 from pathlib import Path
@@ -469,6 +469,7 @@ class SpeculativeGR2Model(GR2Model):
         self.draft_len, self.draft_steps = int(config["draft_len"]), int(config["draft_steps"])
 
     def decoding(self, params: dict[str, Any]) -> dict[str, Any]:
+        """Speculative decoding; a fresh drafter state per request (the drafter's cache is per call)."""
         from gr2model.rerank_eval import speculative_kwargs
 
         return speculative_kwargs(self.drafter, self.draft_steps, self.draft_len)
@@ -526,7 +527,7 @@ def _register(
     checkpoint_md5: str,
     run_id: str,
     tags: dict[str, str],
-    description: Any,
+    description: Callable[[], str],
 ) -> tuple[str, bool]:
     """Log `python_model` with `artifacts` to run `run_id` as a new version of `model_name`, unless a version
     with tag checkpoint_md5 = `checkpoint_md5` exists; tag it, describe it (`description()`), alias it `challenger`.
