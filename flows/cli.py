@@ -375,7 +375,7 @@ def build_parser() -> argparse.ArgumentParser:
     ws.set_defaults(fn=cmd_workspace)
 
     prom = sub.add_parser("promote", help="move a model's `champion` alias to a version through the gates in params.yaml (promote:)")
-    prom.add_argument("model", help="registered model name, e.g. gr2 or diffusion-gr2")
+    prom.add_argument("model", help="registered model name: gr2, diffusion-gr2 or spec-gr2")
     prom.add_argument("--version", default=None, help="version to judge (default: the one aliased `challenger`)")
     prom.add_argument("--no-flow", action="store_true", help="run without Prefect (no flow run, no artifact); faster")
     prom.set_defaults(fn=cmd_promote)

@@ -23,7 +23,7 @@ from prefect.runtime import flow_run
 from flows import dvc_stages
 from flows.console import stage_lines
 from flows.promote import record_evaluations_task
-from flows.registry import MODEL_STAGES, register_checkpoint
+from flows.registry import MODEL_STAGES, SPEC_MODEL, SPEC_STAGE, VERIFIER, register_checkpoint, register_speculative, speculative_pairs
 from flows.reproduce import record_lineage, runtime_tags
 from tasks.report import REPORT_HTML, log_stage_figures, report_markdown, stage_headline
 from tasks.tracking import close_stale_runs, configure, experiment_id, flatten, git_lineage, metric_key, owner_tags
@@ -135,6 +135,41 @@ def register_model(stage: str, root: str, summary: dict[str, Any]) -> dict[str, 
     return {"model": spec.model_name, "version": version, "created": created}
 
 
+@task(retries=2, retry_delay_seconds=2, cache_policy=NO_CACHE)
+def register_speculative_model(root: str, summary: dict[str, Any]) -> dict[str, Any] | None:
+    """Register the pair `evaluate` measured (GR2 verifying a diffusion model's drafts) as a version of
+    `spec-gr2`, once per pair of checkpoint hashes, with lineage to both; None when there is no pair."""
+    from mlflow import MlflowClient
+
+    logger = get_run_logger()
+    rootp = Path(root)
+    pairs = speculative_pairs(rootp)
+    if not pairs:
+        logger.info("no speculative row with a drafter checkpoint in metrics/evaluate.json; %s not registered", SPEC_MODEL)
+        return None
+    pair = pairs[0]  # evaluate measures one drafter (evaluate.spec_drafter)
+    drafter = MODEL_STAGES[pair.drafter_stage].checkpoint
+    run_id = summary["run_id"]
+    if run_id is None:
+        # Skipped by DVC: register against the evaluate run that read these two checkpoints, if it is in this store.
+        found = MlflowClient().search_runs(
+            [experiment_id(rootp)],
+            filter_string=(
+                f"tags.`gr2.stage` = '{SPEC_STAGE}' and tags.`dvc.dep.{VERIFIER.checkpoint}` = '{pair.verifier_md5}' "
+                f"and tags.`dvc.dep.{drafter}` = '{pair.drafter_md5}'"
+            ),
+            max_results=1,
+        )
+        if not found:
+            logger.info("%s: no %s run in this store read checkpoints %s; not registering", SPEC_MODEL, SPEC_STAGE, pair.checkpoint_md5)
+            return None
+        run_id = found[0].info.run_id
+    tags = {**git_lineage(rootp), **dvc_stages.lineage_tags(rootp, SPEC_STAGE), **runtime_tags(), "prefect.flow_run_id": str(flow_run.get_id() or "")}
+    version, created = register_speculative(pair, rootp, run_id, tags)
+    logger.info("%s version %s (%s)", SPEC_MODEL, version, "new" if created else "already registered")
+    return {"model": SPEC_MODEL, "version": version, "created": created}
+
+
 def _mark_flow_runs_crashed(client: Any, run_ids: list[str], logger: Any) -> None:
     """Mark the Prefect flow runs behind closed MLflow pipeline runs as Crashed, as Prefect would had it seen the death.
 
@@ -227,6 +262,10 @@ def pipeline(root: str = ".", stages: list[str] | None = None, force: bool = Fal
                 summary = run_stage.with_options(name=stage, task_run_name=stage)(stage, str(rootp), parent_id, force)
                 if stage in MODEL_STAGES:
                     summary["registered"] = register_model.with_options(name=f"register-{stage}", task_run_name=f"register-{stage}")(stage, str(rootp), summary)
+                elif stage == SPEC_STAGE and (
+                    spec := register_speculative_model.with_options(name="register-spec-gr2", task_run_name="register-spec-gr2")(str(rootp), summary)
+                ):
+                    summary["registered"] = spec
                 lines["summary"] = summary
             summaries.append(summary)
         # After evaluate (and any later stage): each registered version gets its checkpoint's

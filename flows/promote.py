@@ -12,12 +12,15 @@ Evidence lives on the registered versions as tags, so a decision can be read
   diffusion model, its decode speed (`speed.tau_<tau>.bs_<b>.<field>`, from
   metrics/speed.json). Numbers are only attached to a version when dvc.lock says
   they were measured on that version's checkpoint hash (or cannot say at all,
-  which is then recorded as `unverified`).
+  which is then recorded as `unverified`). The speculative `spec-gr2` gets its
+  `spec-<drafter>` row (with `equal_to_gr2_rate`) and the bench's speculative
+  rows (`speed.tau_none.bs_<b>.<field>`).
 
 `promote` judges the version against the current champion (gates: no worse on
 the configured metrics beyond a tolerance, valid-format rate at least a floor,
 and for diffusion models a decode speed-up floor at a given tau and batch
-size), then commits under a per-model lock: re-read the champion, refuse if it
+size; for `spec-gr2` answers equal to GR2's on every evaluated example and a
+speed-up floor of its own), then commits under a per-model lock: re-read the champion, refuse if it
 changed since the judgement (compare-and-set), move the alias, read it back,
 and record the decision and its numbers as tags on the version. MLflow has no
 compare-and-set on aliases, so the lock (an fcntl lock file next to the SQLite
@@ -61,7 +64,8 @@ CHAMPION = "champion"
 SECTION = "promote"  # params.yaml section (not a DVC stage: promotion changes the registry, not files)
 EVALUATE_METRICS = "metrics/evaluate.json"
 SPEED_METRICS = "metrics/speed.json"
-SPEED_FIELDS = ("speedup", "tokens_per_s", "nfe_per_token", "response_tokens", "recall@1", "valid_format_rate")
+SPEED_FIELDS = ("speedup", "tokens_per_s", "nfe_per_token", "response_tokens", "recall@1", "valid_format_rate",
+                "mean_accepted_length", "equal_to_gr2")  # the last two: speculative rows only  # fmt: skip
 
 
 # ---------------------------------------------------------------------------
@@ -76,7 +80,9 @@ class SpeedGate(_Config):
     """Decode speed-up over the best AR decoder for the same weights (a row of metrics/speed.json)."""
 
     min_speedup: float = 2.0
-    tau: float = 0.9  # confidence threshold of the diffusion decoder the floor applies at
+    # Confidence threshold of the diffusion decoder the floor applies at; None for the
+    # speculative re-ranker, whose rows have no threshold (GR2 decides every token).
+    tau: float | None = 0.9
     batch_size: int = 1
 
 
@@ -85,7 +91,11 @@ class ModelGates(_Config):
     metrics: list[str] = ["recall@1", "ndcg@3"]  # no worse than the champion beyond `tolerance`
     tolerance: float = 0.005  # absolute
     min_valid_format: float = 0.99
-    speed: SpeedGate | None = None  # diffusion models only
+    speed: SpeedGate | None = None  # diffusion and speculative models only
+    # Speculative models only: the least share of the split's evaluated examples whose answers
+    # are GR2's token for token (evaluate's `spec-<drafter>` row, equal_to_gr2_rate). At 1.0,
+    # the version's accuracy is GR2's on every example, which is what it promises.
+    min_equal_to_gr2: float | None = None
 
 
 class PromoteConfig(_Config):
@@ -169,22 +179,14 @@ def record_evaluations(root: Path, client: Any | None = None) -> list[dict[str, 
         if mv is None:
             continue
         name = Path(spec.checkpoint).name
-        tags: dict[str, str] = {}
-        if entry["params"]:
-            blob = json.dumps(entry["params"], sort_keys=True, default=str)
-            tags["dvc.params.md5"] = hashlib.md5(blob.encode()).hexdigest()
+        tags = _params_tag(entry)
         what = []
         if name in evaluation:
             measured = _measured_on(root, EVALUATE_METRICS, spec.checkpoint)
             if measured not in (None, md5):
                 log.warning("%s: %s was evaluated on checkpoint %s, the version has %s; eval tags not attached", spec.model_name, name, measured, md5)
             else:
-                tags["eval.model"] = name
-                tags["eval.checkpoint_md5"] = measured or "unverified"
-                for split, metrics in evaluation[name].items():
-                    for metric, value in metrics.items():
-                        if isinstance(value, (int, float)) and not isinstance(value, bool):
-                            tags[eval_tag(split, metric)] = repr(float(value))
+                tags |= _eval_tags(name, measured or "unverified", evaluation[name])
                 what.append("eval")
         # Diffusion rows only: AR rows (tau None) are the reference every speed-up is relative to.
         # The gates judge the decoder the model is served with (whole blocks), not sub-block rows.
@@ -194,13 +196,7 @@ def record_evaluations(root: Path, client: Any | None = None) -> list[dict[str, 
             if measured not in (None, md5):
                 log.warning("%s: speed of %s was measured on checkpoint %s, the version has %s; speed tags not attached", spec.model_name, name, measured, md5)
             else:
-                tags["speed.checkpoint_md5"] = measured or "unverified"
-                for row in rows:
-                    tau, bs = row.get("tau"), int(row.get("batch_size", 1))
-                    tags[speed_tag(tau, bs, "decoder")] = str(row.get("decoder"))
-                    for f in SPEED_FIELDS:
-                        if isinstance(row.get(f), (int, float)):
-                            tags[speed_tag(tau, bs, f)] = repr(float(row[f]))
+                tags |= _speed_tags(measured or "unverified", rows)
                 what.append("speed")
         for key, value in tags.items():
             client.set_model_version_tag(spec.model_name, str(mv.version), key, value)
@@ -208,6 +204,75 @@ def record_evaluations(root: Path, client: Any | None = None) -> list[dict[str, 
             client.update_model_version(spec.model_name, str(mv.version), description=version_description(spec, root, md5, evaluation[name]))
         done.append({"model": spec.model_name, "version": str(mv.version), "stage": stage, "tagged": what})
         log.info("%s version %s (%s): tagged %s", spec.model_name, mv.version, stage, ", ".join(what) or "params hash only")
+    done += _record_speculative(root, client, evaluation, speed_rows)
+    return done
+
+
+def _params_tag(entry: dict[str, Any]) -> dict[str, str]:
+    """`dvc.params.md5`: a hash of the params dvc.lock recorded for the stage ({} when none)."""
+    if not entry["params"]:
+        return {}
+    return {"dvc.params.md5": hashlib.md5(json.dumps(entry["params"], sort_keys=True, default=str).encode()).hexdigest()}
+
+
+def _eval_tags(name: str, measured_md5: str, by_split: dict[str, dict[str, Any]]) -> dict[str, str]:
+    """The `eval.*` tags of the model `name` of metrics/evaluate.json, measured on checkpoint(s) `measured_md5`."""
+    tags = {"eval.model": name, "eval.checkpoint_md5": measured_md5}
+    for split, metrics in by_split.items():
+        for metric, value in metrics.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                tags[eval_tag(split, metric)] = repr(float(value))
+    return tags
+
+
+def _speed_tags(measured_md5: str, rows: list[dict[str, Any]]) -> dict[str, str]:
+    """The `speed.*` tags of metrics/speed.json rows (one per tau and batch size), measured on `measured_md5`."""
+    tags = {"speed.checkpoint_md5": measured_md5}
+    for row in rows:
+        tau, bs = row.get("tau"), int(row.get("batch_size", 1))
+        tags[speed_tag(tau, bs, "decoder")] = str(row.get("decoder"))
+        for f in SPEED_FIELDS:
+            if isinstance(row.get(f), (int, float)):
+                tags[speed_tag(tau, bs, f)] = repr(float(row[f]))
+    return tags
+
+
+def _record_speculative(root: Path, client: Any, evaluation: dict[str, Any], speed_rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`record_evaluations` for the speculative re-ranker: tag its version of the pair `evaluate` measured
+    with the `spec-<drafter>` row (equal_to_gr2_rate among its metrics) and the bench's speculative rows.
+
+    Both files are evaluate's outputs and the pair's hashes are evaluate's deps in
+    dvc.lock, so the numbers are that pair's. Speed rows drafted with another
+    draft length or step count than the version serves with are not attached.
+    """
+    from flows.registry import SPEC_MODEL, SPEC_STAGE, speculative_description, speculative_pairs
+    from tasks.evaluate import SPEC_PREFIX
+
+    done = []
+    for pair in speculative_pairs(root):
+        mv = find_version(client, SPEC_MODEL, pair.checkpoint_md5)
+        if mv is None:
+            continue
+        name = SPEC_PREFIX + pair.drafter
+        tags = _params_tag(dvc_stages.lock_entry(root, SPEC_STAGE))
+        what = []
+        if name in evaluation:
+            tags |= _eval_tags(name, pair.checkpoint_md5, evaluation[name])
+            what.append("eval")
+        served = (int(mv.tags.get("draft_len", -1)), int(mv.tags.get("draft_steps", -1)))
+        rows = [r for r in speed_rows if r.get("decoder") == "spec" and r.get("model") == pair.drafter]
+        if rows and any((r.get("draft_len"), r.get("draft_steps")) != served for r in rows):
+            log.warning("%s version %s drafts %s tokens in %s steps, metrics/speed.json measured %s; speed tags not attached",
+                        SPEC_MODEL, mv.version, *served, sorted({(r.get("draft_len"), r.get("draft_steps")) for r in rows}))  # fmt: skip
+        elif rows:
+            tags |= _speed_tags(pair.checkpoint_md5, rows)
+            what.append("speed")
+        for key, value in tags.items():
+            client.set_model_version_tag(SPEC_MODEL, str(mv.version), key, value)
+        if "eval" in what:
+            client.update_model_version(SPEC_MODEL, str(mv.version), description=speculative_description(mv.tags, evaluation[name]))
+        done.append({"model": SPEC_MODEL, "version": str(mv.version), "stage": SPEC_STAGE, "tagged": what})
+        log.info("%s version %s (%s): tagged %s", SPEC_MODEL, mv.version, SPEC_STAGE, ", ".join(what) or "params hash only")
     return done
 
 
@@ -283,8 +348,10 @@ class Decision:
 
 
 def _why(g: GateResult) -> str:
+    """Why a gate failed: its number, the threshold, the rule and how far short it fell (or the missing number)."""
     if g.value is not None and g.threshold is not None:
-        return f"{g.name} {_fmt(g.value)} < {_fmt(g.threshold)} (rule {g.rule})"
+        note = f"; {g.note}" if g.note else ""
+        return f"{g.name} {_fmt(g.value)} < {_fmt(g.threshold)} (rule {g.rule}), short by {_fmt(g.threshold - g.value)}{note}"
     return f"{g.name}: {g.note}"
 
 
@@ -336,19 +403,37 @@ def judge(tags: dict[str, str], champion_tags: dict[str, str] | None, gates: Mod
             "" if value is not None else f"not evaluated: no tag {key}",
         )
     )
+    if gates.min_equal_to_gr2 is not None:
+        key = eval_tag(gates.split, "equal_to_gr2_rate")
+        value = _num(tags, key)
+        n = _num(tags, eval_tag(gates.split, "n"))
+        # The failing examples as a count too: "0.9990" of 2,076 hides that two answers differ.
+        differ = f"{round((1 - value) * n)} of {int(n)} evaluated examples differ from GR2's answers" if value is not None and n else ""
+        out.append(
+            GateResult(
+                f"equal_to_gr2_rate ({gates.split})",
+                value is not None and value >= gates.min_equal_to_gr2 - 1e-12,
+                value,
+                _num(champion_tags or {}, key),
+                gates.min_equal_to_gr2,
+                f">= {gates.min_equal_to_gr2:g}",
+                differ if value is not None else f"not evaluated: no tag {key} (evaluate's spec-<drafter> row)",
+            )
+        )
     if gates.speed is not None:
         s = gates.speed
         key = speed_tag(s.tau, s.batch_size, "speedup")
         value = _num(tags, key)
+        at = f"tau {_tau_str(s.tau)}, batch {s.batch_size}" if s.tau is not None else f"batch {s.batch_size}"
         out.append(
             GateResult(
-                f"speedup (tau {_tau_str(s.tau)}, batch {s.batch_size})",
+                f"speedup ({at})",
                 value is not None and value >= s.min_speedup,
                 value,
                 _num(champion_tags or {}, key),
                 s.min_speedup,
                 f">= {s.min_speedup:g}x over AR",
-                "" if value is not None else f"not measured: no tag {key} (metrics/speed.json row for this model at tau {_tau_str(s.tau)}, batch {s.batch_size})",
+                "" if value is not None else f"not measured: no tag {key} (metrics/speed.json row for this model at {at})",
             )
         )
     return out

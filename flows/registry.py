@@ -5,6 +5,11 @@ checkpoint folder, logged as an artifact, with explicit pip requirements: both
 measured to be the robust and fast choice with transformers 5, see
 shared/notes/STACK.md), tagged with its stage and lineage, and given the alias
 `challenger`. The same checkpoint hash is never registered twice.
+
+`spec-gr2`, the speculative re-ranker (GR2 verifying a diffusion model's
+drafts), is the one version made of two checkpoints: registered after
+`evaluate` from the pair that stage measured, once per pair of hashes, with
+both checkpoints as artifacts and lineage tags to both (`register_speculative`).
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ import contextlib
 import io
 import logging
 from collections import Counter
-from collections.abc import Container, Iterator, Mapping
+from collections.abc import Callable, Container, Iterator, Mapping
 from dataclasses import dataclass
 from importlib.metadata import version
 from pathlib import Path
@@ -69,6 +74,11 @@ MODEL_DESCRIPTIONS: dict[str, str] = {
         "(threshold decoder, param `tau`), trained by conversion fine-tuning, on-policy distillation and RL. "
         "Same input and output as gr2."
     ),
+    "spec-gr2": (
+        "GR2 decoded speculatively: a Diffusion-GR2 model drafts several tokens per round and GR2 verifies them in "
+        "one forward, keeping only what GR2 itself would write (greedy), so its answers are GR2's, token for token; "
+        "only the speed differs. Each version bundles both checkpoints. Same input and output as gr2."
+    ),
 }
 
 
@@ -84,22 +94,31 @@ def version_description(spec: ModelStage, root: Path, checkpoint_md5: str, evalu
     parts.append(f"Checkpoint {spec.checkpoint}, DVC md5 {checkpoint_md5}.")
     if head := headline_metrics(spec.stage, read_json(root / "metrics" / f"{spec.stage}.json")):
         parts.append(f"Stage metrics: {format_headline(head)}.")
-    split = next((s for s in ("test", "valid") if isinstance((evaluation or {}).get(s), Mapping)), None)
-    if evaluation and split:
-        m = evaluation[split]
-        bits = []
-        if isinstance(m.get("recall@1"), (int, float)):
-            ci = m.get("recall@1_ci95")
-            bits.append(f"R@1 {m['recall@1']:.4f}" + (f" [{ci[0]:.4f}, {ci[1]:.4f}]" if ci else ""))
-        if isinstance(d := m.get("recall@1_vs_prerank"), Mapping):
-            bits.append(f"R@1 - pre-rank order {d['diff']:+.4f} [{d['ci95'][0]:+.4f}, {d['ci95'][1]:+.4f}]")
-        for key, label in (("ndcg@3", "NDCG@3"), ("valid_permutation_rate", "valid permutations")):
-            if isinstance(m.get(key), (int, float)):
-                bits.append(f"{label} {m[key]:.4f}")
-        n = f", n={int(m['n'])}" if isinstance(m.get("n"), (int, float)) else ""
-        if bits:
-            parts.append(f"Evaluation ({split}{n}): " + ", ".join(bits) + ".")
+    if sentence := evaluation_sentence(evaluation):
+        parts.append(sentence)
     return " ".join(parts)
+
+
+def evaluation_sentence(evaluation: Mapping[str, Any] | None) -> str:
+    """`Evaluation (test, n=...): R@1 ..., ...` from a model's `{split: metrics}` of metrics/evaluate.json
+    (the test split, else valid); "" when there is none. Speculative rows add their equality with GR2."""
+    split = next((s for s in ("test", "valid") if isinstance((evaluation or {}).get(s), Mapping)), None)
+    if not evaluation or not split:
+        return ""
+    m = evaluation[split]
+    bits = []
+    if isinstance(m.get("equal_to_gr2_rate"), (int, float)):
+        bits.append(f"answers token-for-token GR2's on {m['equal_to_gr2_rate']:.4f} of the examples")
+    if isinstance(m.get("recall@1"), (int, float)):
+        ci = m.get("recall@1_ci95")
+        bits.append(f"R@1 {m['recall@1']:.4f}" + (f" [{ci[0]:.4f}, {ci[1]:.4f}]" if ci else ""))
+    if isinstance(d := m.get("recall@1_vs_prerank"), Mapping):
+        bits.append(f"R@1 - pre-rank order {d['diff']:+.4f} [{d['ci95'][0]:+.4f}, {d['ci95'][1]:+.4f}]")
+    for key, label in (("ndcg@3", "NDCG@3"), ("valid_permutation_rate", "valid permutations")):
+        if isinstance(m.get(key), (int, float)):
+            bits.append(f"{label} {m[key]:.4f}")
+    n = f", n={int(m['n'])}" if isinstance(m.get("n"), (int, float)) else ""
+    return f"Evaluation ({split}{n}): " + ", ".join(bits) + "." if bits else ""
 
 
 class RetrieverModel(mlflow.pyfunc.PythonModel):
@@ -394,7 +413,7 @@ class GR2Model(mlflow.pyfunc.PythonModel):
     def predict(self, context: Any, model_input: pd.DataFrame, params: dict[str, Any] | None = None) -> pd.DataFrame:
         import polars as pl
 
-        from gr2model.rerank_eval import decoder_kwargs, lm_rerank
+        from gr2model.rerank_eval import lm_rerank
 
         # Validate everything before decoding: a bad request is a 400 naming the row and field.
         histories, candidates = validate_rerank_input(model_input, self.items, self.num_candidates, self.limits)
@@ -403,8 +422,7 @@ class GR2Model(mlflow.pyfunc.PythonModel):
         lists = pl.DataFrame({"history": histories, "candidates": candidates}, schema={"history": pl.List(pl.Int64), "candidates": pl.List(pl.Int64)})
         if evidence is not None:
             lists = lists.with_columns(pl.Series("evidence", evidence, dtype=pl.List(pl.List(pl.Int8))))
-        kwargs = decoder_kwargs(self.model, params["tau"])
-        out = lm_rerank(self.model, self.tok, lists, self.items, self.fmt, max_new_tokens=params["max_new_tokens"], **kwargs)
+        out = lm_rerank(self.model, self.tok, lists, self.items, self.fmt, max_new_tokens=params["max_new_tokens"], **self.decoding(params))
         return pd.DataFrame(
             {
                 "ranking": [p.ranking for p in out.parsed],
@@ -414,8 +432,54 @@ class GR2Model(mlflow.pyfunc.PythonModel):
             }
         )
 
+    def decoding(self, params: dict[str, Any]) -> dict[str, Any]:
+        """The `lm_rerank` decoder arguments for a checked request's params (`rerank_params`):
+        the checkpoint's own decoder (KV-cache AR loop, or the threshold decoder at `tau`)."""
+        from gr2model.rerank_eval import decoder_kwargs
 
-PYFUNC_CLASSES: dict[str, type[mlflow.pyfunc.PythonModel]] = {"gr2-retriever": RetrieverModel, "gr2": GR2Model, "diffusion-gr2": GR2Model}
+        return decoder_kwargs(self.model, params["tau"])
+
+
+class SpeculativeGR2Model(GR2Model):
+    """Serves GR2 decoded speculatively: a diffusion model drafts, GR2 verifies (`gr2model.speculative`, greedy).
+
+    Artifacts: `checkpoint` (GR2, the AR verifier), `drafter` (a block-diffusion
+    checkpoint with GR2's tokenizer), `items`, `format`. model_config adds
+    `draft_len` (tokens drafted per round) and `draft_steps` (drafter forwards
+    per round) to the re-rankers' `num_candidates` and request caps.
+
+    Requests, checks and output are GR2Model's (the same code). The answers are
+    GR2's own, token for token: greedy verification keeps a drafted token only
+    where it is GR2's argmax, so the drafter changes the speed, never the
+    answer; the request param `tau` is accepted and has no effect.
+    """
+
+    def load_context(self, context: Any) -> None:
+        from gr2model.checkpoint import load_hf_checkpoint
+
+        super().load_context(context)
+        config = context.model_config or {}
+        missing = [k for k in ("draft_len", "draft_steps") if k not in config]
+        if missing:
+            raise ValueError(f"model_config lacks {missing}: a speculative re-ranker needs its draft length and steps")
+        if getattr(self.model.config, "block_size", None) is not None:
+            raise ValueError("the `checkpoint` artifact is a block-diffusion model; the verifier must be GR2, an AR model")
+        self.drafter, drafter_tok = load_hf_checkpoint(Path(context.artifacts["drafter"]))
+        # Drafted ids are verified as GR2's ids: the two must share one vocabulary.
+        if drafter_tok.get_vocab() != self.tok.get_vocab():
+            raise ValueError("the drafter's tokenizer differs from GR2's; it must be a diffusion model converted from this GR2")
+        self.draft_len, self.draft_steps = int(config["draft_len"]), int(config["draft_steps"])
+
+    def decoding(self, params: dict[str, Any]) -> dict[str, Any]:
+        """Speculative decoding; a fresh drafter state per request (the drafter's cache is per call)."""
+        from gr2model.rerank_eval import speculative_kwargs
+
+        return speculative_kwargs(self.drafter, self.draft_steps, self.draft_len)
+
+
+PYFUNC_CLASSES: dict[str, type[mlflow.pyfunc.PythonModel]] = {
+    "gr2-retriever": RetrieverModel, "gr2": GR2Model, "diffusion-gr2": GR2Model, "spec-gr2": SpeculativeGR2Model,
+}  # fmt: skip
 
 
 def pip_requirements() -> list[str]:
@@ -463,27 +527,180 @@ def register_checkpoint(
     Returns (version, created). A new version gets the tags, the stage tag and the
     alias `challenger`.
     """
+    python_model = PYFUNC_CLASSES[spec.model_name]()
+    return _register(
+        spec.model_name,
+        spec.stage,
+        python_model,
+        {"checkpoint": str(root / spec.checkpoint), **{name: str(root / path) for name, path in spec.extra_artifacts}},
+        reranker_log_kwargs(root) if isinstance(python_model, GR2Model) else {},
+        checkpoint_md5,
+        run_id,
+        tags,
+        lambda: version_description(spec, root, checkpoint_md5),
+    )
+
+
+def _register(
+    model_name: str,
+    stage: str,
+    python_model: mlflow.pyfunc.PythonModel,
+    artifacts: dict[str, str],
+    log_kwargs: dict[str, Any],
+    checkpoint_md5: str,
+    run_id: str,
+    tags: dict[str, str],
+    description: Callable[[], str],
+) -> tuple[str, bool]:
+    """Log `python_model` with `artifacts` to run `run_id` as a new version of `model_name`, unless a version
+    with tag checkpoint_md5 = `checkpoint_md5` exists; tag it, describe it (`description()`), alias it `challenger`.
+
+    Returns (version, created).
+    """
     client = MlflowClient()
-    existing = find_version(client, spec.model_name, checkpoint_md5)
+    existing = find_version(client, model_name, checkpoint_md5)
     if existing is not None:
-        log.info("%s: checkpoint %s is already version %s; not registering again", spec.model_name, checkpoint_md5, existing.version)
+        log.info("%s: checkpoint %s is already version %s; not registering again", model_name, checkpoint_md5, existing.version)
         return str(existing.version), False
     with mlflow.start_run(run_id=run_id), mlflow_prints_to_log(log):
         info = mlflow.pyfunc.log_model(
-            name=spec.stage,
-            python_model=PYFUNC_CLASSES[spec.model_name](),
-            artifacts={"checkpoint": str(root / spec.checkpoint), **{name: str(root / path) for name, path in spec.extra_artifacts}},
+            name=stage,
+            python_model=python_model,
+            artifacts=artifacts,
             pip_requirements=pip_requirements(),
-            **(reranker_log_kwargs(root) if PYFUNC_CLASSES[spec.model_name] is GR2Model else {}),
-            registered_model_name=spec.model_name,
+            **log_kwargs,
+            registered_model_name=model_name,
         )
     mv = info.registered_model_version
-    all_tags = {**tags, "stage": spec.stage, "checkpoint_md5": checkpoint_md5, "run_id": run_id}
+    all_tags = {**tags, "stage": stage, "checkpoint_md5": checkpoint_md5, "run_id": run_id}
     for key, value in all_tags.items():
-        client.set_model_version_tag(spec.model_name, str(mv), key, str(value))
-    client.update_model_version(spec.model_name, str(mv), description=version_description(spec, root, checkpoint_md5))
-    if not client.get_registered_model(spec.model_name).description and spec.model_name in MODEL_DESCRIPTIONS:
-        client.update_registered_model(spec.model_name, description=MODEL_DESCRIPTIONS[spec.model_name])
-    client.set_registered_model_alias(spec.model_name, CHALLENGER, str(mv))
-    log.info("registered %s version %s (alias %s)", spec.model_name, mv, CHALLENGER)
+        client.set_model_version_tag(model_name, str(mv), key, str(value))
+    client.update_model_version(model_name, str(mv), description=description())
+    if not client.get_registered_model(model_name).description and model_name in MODEL_DESCRIPTIONS:
+        client.update_registered_model(model_name, description=MODEL_DESCRIPTIONS[model_name])
+    client.set_registered_model_alias(model_name, CHALLENGER, str(mv))
+    log.info("registered %s version %s (alias %s)", model_name, mv, CHALLENGER)
     return str(mv), True
+
+
+# ---------------------------------------------------------------------------
+# The speculative re-ranker: GR2 verifying a diffusion model's drafts (issue 13)
+
+SPEC_MODEL = "spec-gr2"
+# The stage that measures a (GR2, drafter) pair, its `spec-<drafter>` row (answers equal to GR2's)
+# and its bench rows (speed), and after which the pipeline registers the pair.
+SPEC_STAGE = "evaluate"
+VERIFIER = MODEL_STAGES["ar_rl"]  # GR2: the model whose answers the speculative re-ranker gives
+
+
+@dataclass(frozen=True)
+class SpeculativePair:
+    """A speculative re-ranker as `evaluate` measured it: GR2 verifying the drafts of the diffusion model `drafter`."""
+
+    drafter: str  # its name in metrics/evaluate.json (row `spec-<drafter>`) and metrics/speed.json
+    drafter_stage: str  # the stage whose checkpoint drafts (a key of MODEL_STAGES)
+    verifier_md5: str  # DVC md5 of GR2's checkpoint as evaluate read it (dvc.lock)
+    drafter_md5: str
+    draft_len: int  # tokens drafted per round
+    draft_steps: int  # drafter forwards per round
+
+    @property
+    def checkpoint_md5(self) -> str:
+        """The version's identity: the pair of hashes, so the same pair is never registered twice."""
+        return f"{self.verifier_md5}+{self.drafter_md5}"
+
+
+def speculative_pairs(root: Path) -> list[SpeculativePair]:
+    """The pairs behind the `spec-<drafter>` rows of `<root>/metrics/evaluate.json`, hashed as dvc.lock's
+    `evaluate` entry read them (both checkpoints are its deps, so the numbers are those checkpoints').
+
+    A row whose drafter has no checkpoint of its own (`dgr2-naive`, converted at
+    load time) or whose checkpoints dvc.lock does not hash is skipped, with a log line.
+    """
+    import json
+
+    from flows import dvc_stages
+    from tasks.evaluate import SPEC_PREFIX
+
+    path = root / "metrics" / f"{SPEC_STAGE}.json"
+    evaluation = json.loads(path.read_text()) if path.exists() else {}
+    deps = dvc_stages.lock_entry(root, SPEC_STAGE)["deps"]
+    by_checkpoint_name = {Path(s.checkpoint).name: s for s in MODEL_STAGES.values() if s.model_name == "diffusion-gr2"}
+    pairs = []
+    for name, by_split in evaluation.items():
+        if not name.startswith(SPEC_PREFIX):
+            continue
+        drafter = name[len(SPEC_PREFIX) :]
+        stage = by_checkpoint_name.get(drafter)
+        if stage is None:
+            log.info("%s: drafter %s has no checkpoint of its own (one of %s); not registered", name, drafter, sorted(by_checkpoint_name))
+            continue
+        verifier_md5, drafter_md5 = deps.get(VERIFIER.checkpoint), deps.get(stage.checkpoint)
+        row = next(iter(by_split.values()), {})
+        if not verifier_md5 or not drafter_md5 or "draft_len" not in row:
+            log.info("%s: dvc.lock's %s entry hashes no %s and %s, or the row has no draft_len; not registered", name, SPEC_STAGE, VERIFIER.checkpoint, stage.checkpoint)
+            continue
+        pairs.append(SpeculativePair(drafter, stage.stage, verifier_md5, drafter_md5, int(row["draft_len"]), int(row["draft_steps"])))
+    return pairs
+
+
+def speculative_lineage(client: MlflowClient, pair: SpeculativePair) -> dict[str, str]:
+    """Tags naming both sources of a speculative version: each checkpoint's path and DVC md5, and the
+    registered version (and its run) made from it, `none` when that checkpoint was never registered."""
+    drafter = MODEL_STAGES[pair.drafter_stage]
+    tags = {}
+    for role, spec, md5 in (("verifier", VERIFIER, pair.verifier_md5), ("drafter", drafter, pair.drafter_md5)):
+        mv = find_version(client, spec.model_name, md5)
+        tags |= {
+            f"{role}.checkpoint": spec.checkpoint,
+            f"{role}.checkpoint_md5": md5,
+            f"{role}.stage": spec.stage,
+            f"{role}.model": spec.model_name,
+            f"{role}.model_version": str(mv.version) if mv is not None else "none",
+            f"{role}.run_id": (mv.run_id or "") if mv is not None else "none",
+        }
+    return tags | {"drafter.name": pair.drafter, "draft_len": str(pair.draft_len), "draft_steps": str(pair.draft_steps)}
+
+
+def speculative_description(lineage: Mapping[str, str], evaluation: Mapping[str, Any] | None = None) -> str:
+    """A speculative version's description: both sources (from its lineage tags), how it drafts, and
+    once `evaluate` measured it, its equality with GR2 and its accuracy."""
+    parts = [f"{SPEC_MODEL} registered by stage `{SPEC_STAGE}`."]
+    for role, what in (("verifier", "verifies and answers"), ("drafter", "drafts")):
+        parts.append(
+            f"{lineage[f'{role}.model']} version {lineage[f'{role}.model_version']} ({lineage[f'{role}.checkpoint']}, "
+            f"DVC md5 {lineage[f'{role}.checkpoint_md5']}, stage `{lineage[f'{role}.stage']}`) {what}."
+        )
+    parts.append(f"{lineage['draft_len']} tokens drafted per round in {lineage['draft_steps']} drafter forwards.")
+    if sentence := evaluation_sentence(evaluation):
+        parts.append(sentence)
+    return " ".join(parts)
+
+
+def register_speculative(pair: SpeculativePair, root: Path, run_id: str, tags: dict[str, str]) -> tuple[str, bool]:
+    """Register GR2 verifying `pair.drafter`'s drafts as a version of `spec-gr2`, unless the pair already is.
+
+    The version bundles both checkpoints (artifacts `checkpoint`: GR2, `drafter`)
+    with the items and format GR2 reads, serves with `SpeculativeGR2Model`, keeps
+    the request caps of the other re-rankers plus `draft_len` and `draft_steps`
+    in its model_config, and is tagged with its lineage to both sources
+    (`speculative_lineage`). Returns (version, created).
+    """
+    lineage = speculative_lineage(MlflowClient(), pair)
+    log_kwargs = reranker_log_kwargs(root)
+    log_kwargs["model_config"] |= {"draft_len": pair.draft_len, "draft_steps": pair.draft_steps}
+    return _register(
+        SPEC_MODEL,
+        SPEC_STAGE,
+        SpeculativeGR2Model(),
+        {
+            "checkpoint": str(root / VERIFIER.checkpoint),
+            "drafter": str(root / MODEL_STAGES[pair.drafter_stage].checkpoint),
+            **{name: str(root / path) for name, path in VERIFIER.extra_artifacts},
+        },
+        log_kwargs,
+        pair.checkpoint_md5,
+        run_id,
+        {**tags, **lineage},
+        lambda: speculative_description(lineage),
+    )

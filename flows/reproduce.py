@@ -371,6 +371,12 @@ def reproduce(
     tags = dict(mv.tags)
     report = Report(model=name, version=str(mv.version), stage=tags.get("stage", ""), commit=tags.get("git.commit", ""))
     spec = MODEL_STAGES.get(report.stage)
+    if "verifier.model_version" in tags:
+        # A speculative version is made of two checkpoints that other stages built: rebuild those.
+        raise ReproduceError(
+            f"{name} version {mv.version} bundles two registered checkpoints and trains nothing itself; reproduce its sources: "
+            f"{tags['verifier.model']} version {tags['verifier.model_version']} and {tags.get('drafter.model')} version {tags.get('drafter.model_version')}"
+        )
     if spec is None:
         raise ReproduceError(f"{name} version {mv.version} has no pipeline stage tag (stage={report.stage!r}); it was not registered by the pipeline")
     report.checkpoint, report.checkpoint_recorded = spec.checkpoint, tags.get("checkpoint_md5", "")

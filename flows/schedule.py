@@ -56,7 +56,7 @@ class ScheduleConfig(BaseModel):
     cron: str = "0 4 * * 1"  # Mondays 04:00
     timezone: str = "UTC"
     source: str | None = None  # folder new raw data lands in; null: no refresh
-    promote: list[str] = ["gr2", "diffusion-gr2"]
+    promote: list[str] = ["gr2", "diffusion-gr2", "spec-gr2"]
     commit: bool = True  # commit the snapshot's pointer file (clean git lineage for the versions)
     push: bool = True  # dvc push after the run
 

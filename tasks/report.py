@@ -321,7 +321,7 @@ def log_stage_figures(stage: str, metrics: Mapping[str, Any], client: Any, run_i
 
 # --- the registry ------------------------------------------------------------------------------
 
-REGISTERED_MODELS = ("gr2-retriever", "gr2", "diffusion-gr2")
+REGISTERED_MODELS = ("gr2-retriever", "gr2", "diffusion-gr2", "spec-gr2")  # flows/registry.py registers them
 
 
 def registry_rows(models: Sequence[str] = REGISTERED_MODELS) -> list[dict[str, Any]]:

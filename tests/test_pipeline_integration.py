@@ -174,6 +174,14 @@ def test_retriever_registered_once_and_serves(smoke_run: dict[str, Any]) -> None
     assert client.get_model_version_by_alias("gr2", "challenger").tags["stage"] == "ar_rl"
     assert sorted(v.tags["stage"] for v in client.search_model_versions("name = 'diffusion-gr2'")) == ["cft", "opd", "rl"]
     assert client.get_model_version_by_alias("diffusion-gr2", "challenger").tags["stage"] == "rl"
+    # The speculative re-ranker: the pair evaluate measured (GR2 verifying dgr2), once, traced to both versions.
+    (spec,) = client.search_model_versions("name = 'spec-gr2'")
+    by_stage = {v.tags["stage"]: v for v in [*gr2_versions, *client.search_model_versions("name = 'diffusion-gr2'")]}
+    assert spec.tags["stage"] == "evaluate" and spec.tags["drafter.name"] == "dgr2"
+    assert spec.tags["verifier.model_version"] == str(by_stage["ar_rl"].version) and spec.tags["drafter.model_version"] == str(by_stage["rl"].version)
+    assert spec.tags["checkpoint_md5"] == f"{by_stage['ar_rl'].tags['checkpoint_md5']}+{by_stage['rl'].tags['checkpoint_md5']}"
+    assert "eval.test.equal_to_gr2_rate" in spec.tags and "speed.tau_none.bs_1.speedup" in spec.tags
+    assert smoke_run["second"][-1]["registered"] == {"model": "spec-gr2", "version": str(spec.version), "created": False}
     described = client.get_model_version_by_alias("gr2", "challenger").description
     assert described.startswith("gr2 made by stage `ar_rl`") and "Evaluation (test" in described, described
     assert client.get_registered_model("diffusion-gr2").description.startswith("Diffusion-GR2")

@@ -148,6 +148,9 @@ def test_nothing_to_reproduce(registry: dict[str, Any], capsys: pytest.CaptureFi
     v = registry["add"]({"git.dirty": "false"})
     with pytest.raises(ReproduceError, match="no pipeline stage tag"):
         reproduce("gr2", v, root=registry["root"], client=client)
+    spec = {"stage": "evaluate", "verifier.model": "gr2", "verifier.model_version": "3", "drafter.model": "diffusion-gr2", "drafter.model_version": "5"}
+    with pytest.raises(ReproduceError, match="reproduce its sources: gr2 version 3 and diffusion-gr2 version 5"):
+        reproduce("gr2", registry["add"](spec), root=registry["root"], client=client)
     assert main(["--root", str(registry["root"]), "reproduce", "nosuch@champion"]) == 2
     assert "no version aliased" in capsys.readouterr().err
 

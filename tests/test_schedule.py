@@ -37,7 +37,7 @@ GR2 = str(Path(sys.executable).parent / "gr2")
 
 def test_schedule_params_section() -> None:
     cfg = load_schedule_config(ROOT)
-    assert cfg.cron.count(" ") == 4 and cfg.promote == ["gr2", "diffusion-gr2"]
+    assert cfg.cron.count(" ") == 4 and cfg.promote == ["gr2", "diffusion-gr2", "spec-gr2"]
     assert cfg.commit and cfg.push
 
 
