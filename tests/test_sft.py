@@ -205,21 +205,22 @@ def _sft_worker(tok, examples: list[tuple[str, str]], valid: list[tuple[str, str
 
 
 def test_two_processes_equal_one_process_with_the_global_batch(tok, items, tmp_path: Path) -> None:
-    """DDP over 2 CPU processes with batch 4 each takes the same steps as 1 process with batch 8.
+    """DDP over 2 CPU processes takes the same steps as 1 process at the same (global) batch_size.
 
-    The prepared loader gives process r the batches r, r+2, ... of the same seeded
-    order, so a global step sees the same 8 examples; the loss is normalised by
+    Every process draws the same seeded order of global batches and trains on its
+    part of each (`GlobalBatchShards`), so a step sees the same examples, the last,
+    partial batch included (18 examples: batches of 8, 8, 2); the loss is normalised by
     the global weight, so the gradients agree too. (The processes get the tokenizer
     and texts from the parent: polars' thread pool does not survive a fork.)
     """
-    examples = toy_examples(items)[:16]
-    valid = toy_examples(items)[16:21]  # 5: the processes score 3 and 2 of them
-    cfg = SFTConfig(epochs=2, batch_size=4, lr=1e-3, warmup_steps=2)
+    examples = toy_examples(items)[:18]
+    valid = toy_examples(items)[18:23]  # 5: the processes score 3 and 2 of them
+    cfg = SFTConfig(epochs=2, batch_size=8, lr=1e-3, warmup_steps=2)
     debug_launcher(_sft_worker, args=(tok, examples, valid, cfg, tmp_path), num_processes=2)
     rank0, history = agreeing_ranks(tmp_path)
 
-    single_cfg = SFTConfig(epochs=2, batch_size=8, lr=1e-3, warmup_steps=2)
-    single = train_sft(toy_model(tok), tok, examples, single_cfg, valid=valid)
+    single = train_sft(toy_model(tok), tok, examples, cfg, valid=valid)
+    assert single.steps == 6  # 3 batches (8, 8, 2) per epoch: the partial batch is a step of both runs
     assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(rank0, single.model.parameters()))
     assert [sorted(h) for h in history] == [sorted(h) for h in single.history]
     for key in ("loss", "answer_loss", "valid_loss", "valid_reasoning_loss"):
