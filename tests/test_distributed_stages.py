@@ -38,7 +38,7 @@ from tasks.common import launch_argv, requested_processes
 from tasks.trajectories import TrajectoriesConfig
 
 from test_resume_stage import sft_workspace
-from tiny import TOY, items_table, tiny_model, toy_tokenizer
+from tiny import TOY, items_table, tiny_model, toy_examples, toy_items, toy_model, toy_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMING = {"seconds", "train_s", "decode_s", "tokens_per_s"}
@@ -172,3 +172,51 @@ def test_accelerate_without_multi_gpu_is_an_error_not_one_silent_process(tmp_pat
     assert proc.returncode != 0
     assert "asks for 2 processes but sft runs in one" in proc.stderr
     assert not (ws / "checkpoints/gr2-sft").exists()
+
+
+def cft_workspace(path: Path) -> Path:
+    """What `tasks.cft` reads: trajectories (the toy task's 24 prompt/response pairs) and a GR2 checkpoint."""
+    tok, items = toy_tokenizer(), toy_items()
+    examples = toy_examples(items)
+    (path / "data/trajectories").mkdir(parents=True)
+    pl.DataFrame(
+        {"prompt": [p for p, _ in examples], "response": [r for _, r in examples], "valid_permutation": [True] * len(examples)}
+    ).write_parquet(path / "data/trajectories/train.parquet")
+    save_hf_checkpoint(path / "checkpoints/gr2", toy_model(tok), tok, {"stage": "ar_rl"})
+    params = {"seed": 0, "valid_fraction": 0.2, "train": {"epochs": 2, "batch_size": 6, "lr": 1e-3, "warmup_steps": 2, "block_size": 4}}
+    (path / "params.yaml").write_text(yaml.safe_dump({"cft": params, "resume": {"every_steps": 0, "every_minutes": 0}}))
+    return path
+
+
+@pytest.mark.slow  # ~30 s; the library's two-process CFT test (tests/test_cft.py) runs by default
+def test_cft_stage_on_two_processes_equals_one_process(tmp_path: Path) -> None:
+    """20 training trajectories in global batches of 6 (6, 6, 6, 2): the partial batch is split 1 + 1."""
+    one = cft_workspace(tmp_path / "one")
+    two = tmp_path / "two"
+    shutil.copytree(one, two)
+    run_stage(one, "cft", 1)
+    assert "cft on 2 processes (MULTI_CPU)" in run_stage(two, "cft", 2).stderr
+    a = load_file(one / "checkpoints/dgr2-cft/model.safetensors")
+    b = load_file(two / "checkpoints/dgr2-cft/model.safetensors")
+    assert all(torch.allclose(a[k], b[k], rtol=0, atol=1e-5) for k in a), max((a[k] - b[k]).abs().max().item() for k in a)
+    ra, rb = results(one / "metrics/cft.json"), results(two / "metrics/cft.json")
+    assert ra["steps"] == rb["steps"] == 8
+    assert rb == {k: pytest.approx(v, rel=1e-5) for k, v in ra.items()}
+    no_leftovers(two)
+
+
+def test_reproduce_reruns_with_the_recorded_launcher(monkeypatch: pytest.MonkeyPatch) -> None:
+    from flows.reproduce import _rebuild_launch
+
+    monkeypatch.delenv("GR2_LAUNCH", raising=False)
+    launch = "accelerate launch --config_file accelerate/1node-8gpu.yaml"
+    env: dict[str, str] = {}
+    notes: list[str] = []
+    _rebuild_launch(env, {"runtime.launch": launch, "runtime.num_processes": "8"}, notes)
+    assert env["GR2_LAUNCH"] == launch and "8 processes" in notes[0]
+    env, notes = {"GR2_LAUNCH": launch}, []
+    _rebuild_launch(env, {"runtime.launch": "python", "runtime.num_processes": "1"}, notes)
+    assert "GR2_LAUNCH" not in env and notes  # built in one process: rebuilt in one
+    env = {"GR2_LAUNCH": launch}
+    _rebuild_launch(env, {}, [])  # registered before launchers were recorded
+    assert "GR2_LAUNCH" not in env
