@@ -363,6 +363,21 @@ def is_main_process() -> bool:
     return process_state().is_main_process
 
 
+def full_state_dict(model: Any) -> dict[str, Any] | None:
+    """The whole state dict of a trained model that FSDP shards between the processes (None
+    when it is not sharded: one process or DDP, where `save_pretrained` reads the model).
+
+    Every process must call it (the gather is a collective); the main process then
+    writes it (`save_hf_checkpoint(state_dict=...)`).
+    """
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedType
+
+    if process_state().distributed_type != DistributedType.FSDP:
+        return None
+    return Accelerator().get_state_dict(model)
+
+
 def accelerate_config(launch: str) -> tuple[str, str] | None:
     """(path, text) of the accelerate config file `launch` uses: its `--config_file`, else
     accelerate's default config file when the launcher is `accelerate launch`; None without one."""
