@@ -220,3 +220,22 @@ def test_reproduce_reruns_with_the_recorded_launcher(monkeypatch: pytest.MonkeyP
     env = {"GR2_LAUNCH": launch}
     _rebuild_launch(env, {}, [])  # registered before launchers were recorded
     assert "GR2_LAUNCH" not in env
+
+
+@pytest.mark.slow  # ~40 s
+def test_ar_rl_stage_runs_on_two_processes_and_one_writes(tmp_path: Path) -> None:
+    """DAPO under 2 processes: each samples its share of every step's prompts with its own
+    generator, so the run equals one process in distribution, not in numbers (see the
+    README); what holds exactly is the schedule (steps) and that one process writes."""
+    ws = trajectories_workspace(tmp_path / "ws")
+    shutil.copytree(ws / "checkpoints/gr2", ws / "checkpoints/gr2-sft")
+    shutil.rmtree(ws / "checkpoints/gr2")
+    train = {"steps": 3, "prompts_per_step": 4, "group_size": 4, "minibatch_size": 8, "max_new_tokens": 12, "lr": 1e-3}
+    (ws / "params.yaml").write_text(yaml.safe_dump({"ar_rl": {"max_prompts": 0, "train": train}, "resume": {"every_steps": 1, "every_minutes": 0}}))
+    proc = run_stage(ws, "ar_rl", 2)
+    assert "ar_rl on 2 processes (MULTI_CPU)" in proc.stderr
+    metrics = json.loads((ws / "metrics/ar_rl.json").read_text())
+    assert metrics["steps"] == 3 and metrics["prompts_available"] == 12
+    assert (ws / "checkpoints/gr2/COMPLETE").exists()
+    assert not (ws / ".gr2/resume/ar_rl").exists()  # states saved every step, removed by the main process
+    no_leftovers(ws)
