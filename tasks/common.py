@@ -299,7 +299,7 @@ def atomic_dir(final: Path) -> Iterator[Path]:
 
 LAUNCH_ENV = "GR2_LAUNCH"
 """The environment variable naming the launcher of the distributed stages, e.g.
-`accelerate launch --config_file accelerate/1node-8gpu.yaml` (unset or empty: plain `python`)."""
+`accelerate launch --config_file configs/accelerate/1node-8gpu.yaml` (unset or empty: plain `python`)."""
 LAUNCHED_ENV = "GR2_LAUNCHED"
 """Set by a stage that re-executed itself under the launcher, so its processes run the stage
 instead of launching again."""
@@ -349,11 +349,12 @@ def process_state() -> PartialState:
 def requested_processes(launch: str) -> int | None:
     """The process count a launcher command line asks for (`--num_processes N`,
     `--nproc_per_node N`, ...), None when it does not say."""
-    words = shlex.split(launch) if launch else []
     names = ("--num_processes", "--num-processes", "--nproc_per_node", "--nproc-per-node")
-    for i, word in enumerate(words):
-        value = words[i + 1] if word in names and i + 1 < len(words) else word.split("=", 1)[1] if word.startswith(tuple(n + "=" for n in names)) else None
-        if value is not None and value.isdigit():
+    words = shlex.split(launch) if launch else []
+    # "--flag=N" as two words, like "--flag N"
+    words = [part for word in words for part in (word.split("=", 1) if word.startswith(names) else [word])]
+    for flag, value in zip(words, words[1:]):
+        if flag in names and value.isdigit():
             return int(value)
     return None
 

@@ -150,7 +150,8 @@ def test_launch_argv_runs_accelerate_and_torchrun_from_this_interpreter() -> Non
     assert launch_argv("cft", "srun python")[-2:] == ["-m", "tasks.cft"]
     assert requested_processes("accelerate launch --multi_gpu --num_processes 2") == 2
     assert requested_processes("torchrun --nproc_per_node=4") == 4
-    assert requested_processes("accelerate launch --config_file accelerate/1node-8gpu.yaml") is None
+    assert requested_processes("accelerate launch --num_processes=16 --num_machines 2") == 16
+    assert requested_processes("accelerate launch --config_file configs/accelerate/1node-8gpu.yaml") is None
 
 
 def test_a_single_process_stage_refuses_to_run_under_a_launcher(tmp_path: Path) -> None:
@@ -209,7 +210,7 @@ def test_reproduce_reruns_with_the_recorded_launcher(monkeypatch: pytest.MonkeyP
     from flows.reproduce import _rebuild_launch
 
     monkeypatch.delenv("GR2_LAUNCH", raising=False)
-    launch = "accelerate launch --config_file accelerate/1node-8gpu.yaml"
+    launch = "accelerate launch --config_file configs/accelerate/1node-8gpu.yaml"
     env: dict[str, str] = {}
     notes: list[str] = []
     _rebuild_launch(env, {"runtime.launch": launch, "runtime.num_processes": "8"}, notes)
