@@ -173,6 +173,9 @@ def pipeline(root: str = ".", stages: list[str] | None = None, force: bool = Fal
         last = max(order.index(s) for s in stages)
         order = order[: last + 1]
     logger.info("stages in DVC order: %s", " -> ".join(order))
+    # The stages read it themselves (tasks.common.stage_main); dvc.yaml's commands stay as they are.
+    launch = os.environ.get("GR2_LAUNCH", "").strip()
+    logger.info("multi-process stages run under %s", f"GR2_LAUNCH={launch!r}" if launch else "one process each (GR2_LAUNCH unset)")
 
     client = MlflowClient()
     # Runs left RUNNING by an earlier run of this workspace that died say so now.
