@@ -355,7 +355,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--force", action="store_true", help="rerun stages even if DVC finds them up to date")
     run.add_argument(
         "--launch", default=None, metavar="CMD",
-        help='launcher of the multi-process stages, e.g. "accelerate launch --config_file accelerate/1node-8gpu.yaml" '
+        help='launcher of the multi-process stages, e.g. "accelerate launch --config_file configs/accelerate/1node-8gpu.yaml" '
         "(default: $GR2_LAUNCH; empty: one process)",
     )  # fmt: skip
     run.add_argument("-v", "--verbose", action="store_true", help="everything on the console too (default: one line per stage start and end; the rest in logs/<run>.log)")

@@ -240,3 +240,43 @@ def test_ar_rl_stage_runs_on_two_processes_and_one_writes(tmp_path: Path) -> Non
     assert (ws / "checkpoints/gr2/COMPLETE").exists()
     assert not (ws / ".gr2/resume/ar_rl").exists()  # states saved every step, removed by the main process
     no_leftovers(ws)
+
+
+@pytest.mark.slow  # the smoke pipeline (shared fixture) plus ~45 s
+def test_evaluate_accuracy_rows_on_two_processes_equal_one_process(smoke_run: dict, tmp_path: Path) -> None:
+    """`evaluate` on the smoke pipeline's checkpoints, decoding in batches of 4 (3 per split, so
+    the two processes share them): every non-timing number of metrics/evaluate.json is equal."""
+    from flows.reproduce import is_timing, numeric_leaves
+
+    copies = []
+    for name in ("one", "two"):
+        ws = tmp_path / name
+        shutil.copytree(smoke_run["ws"], ws, ignore=shutil.ignore_patterns("mlruns", "mlflow.db", ".dvc", "dvc-remote", "logs"))
+        params = yaml.safe_load((ws / "params.yaml").read_text())
+        params["evaluate"]["batch_size"] = 4
+        (ws / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+        (ws / "metrics/evaluate.json").unlink()
+        copies.append(ws)
+    run_stage(copies[0], "evaluate", 1)
+    assert "evaluate on 2 processes (MULTI_CPU)" in run_stage(copies[1], "evaluate", 2).stderr
+    a, b = (numeric_leaves(json.loads((ws / "metrics/evaluate.json").read_text())) for ws in copies)
+    keys = [k for k in a.keys() | b.keys() if not is_timing(k)]
+    assert len(keys) > 100 and any(k.startswith("dgr2") for k in keys)
+    assert {k: a.get(k) for k in keys} == {k: b.get(k) for k in keys}
+
+
+def test_stage_runs_and_registered_versions_record_the_launcher(smoke_run: dict) -> None:
+    """The smoke pipeline ran every stage in one process: the distributed stages' runs say so
+    (`runtime.launch` python, 1 process), the single-process ones carry no launcher, and the
+    registered versions carry their stage run's launcher (what `gr2 reproduce` reuses)."""
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{smoke_run['ws'] / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("diffusion-gr2")
+    runs = {r.info.run_name: r for r in client.search_runs([exp.experiment_id]) if r.data.tags.get("gr2.stage")}
+    for stage in ("sft", "trajectories", "cft", "evaluate"):
+        tags = runs[stage].data.tags
+        assert (tags["runtime.launch"], tags["runtime.num_processes"], tags["runtime.distributed_type"]) == ("python", "1", "NO")
+    assert "runtime.launch" not in runs["prepare"].data.tags
+    version = client.get_model_version_by_alias("gr2", "challenger")
+    assert version.tags["runtime.launch"] == "python" and version.tags["runtime.num_processes"] == "1"
