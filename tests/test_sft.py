@@ -19,7 +19,10 @@ from gr2model.rerank_format import (
 )
 from gr2model.sft import (
     IGNORE_INDEX,
+    GlobalBatchShards,
+    LengthGroupedBatches,
     SFTConfig,
+    check_global_batches,
     collate_right_padded,
     encode_example,
     train_sft,
@@ -226,3 +229,27 @@ def test_two_processes_equal_one_process_with_the_global_batch(tok, items, tmp_p
     for key in ("loss", "answer_loss", "valid_loss", "valid_reasoning_loss"):
         ours = [h[key] for h in history if key in h]
         assert ours and ours == pytest.approx([h[key] for h in single.history if key in h], abs=1e-5)
+
+
+def test_global_batch_shards_cut_every_global_batch_into_one_part_per_process() -> None:
+    """Process r of N takes every N-th part (accelerate's round-robin deal): together the parts of
+    a step are exactly one global batch, the partial last one included; one process: unchanged."""
+    def batches() -> LengthGroupedBatches:  # a fresh sampler: each pass over one reshuffles
+        return LengthGroupedBatches([3, 9, 1, 7, 5, 2, 8, 4, 6, 10, 11], batch_size=4, seed=1)
+
+    global_batches = list(batches())
+    assert sorted(len(b) for b in global_batches) == [3, 4, 4]  # one partial batch
+    parts = list(GlobalBatchShards(batches(), 3))
+    assert len(parts) == len(GlobalBatchShards(batches(), 3)) == 3 * len(global_batches)
+    assert [sum(parts[3 * i : 3 * i + 3], []) for i in range(len(global_batches))] == global_batches
+    assert all(max(map(len, parts[i : i + 3])) - min(map(len, parts[i : i + 3])) <= 1 for i in range(0, len(parts), 3))
+    assert list(GlobalBatchShards(batches(), 1)) == global_batches
+
+
+def test_a_batch_smaller_than_the_process_count_is_refused_before_any_work() -> None:
+    check_global_batches(18, 8, 2)  # 8, 8, 2: every process gets an example of every step
+    with pytest.raises(ValueError, match="batch of 1 examples, fewer than the 2 processes"):
+        check_global_batches(17, 8, 2)
+    with pytest.raises(ValueError, match="batch of 4 examples, fewer than the 8 processes"):
+        check_global_batches(64, 4, 8)
+    check_global_batches(17, 8, 1)
