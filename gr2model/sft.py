@@ -538,7 +538,9 @@ def run_train_loop(
         shuffle_gen = torch.Generator().manual_seed(cfg.seed)
         # What DataLoader(shuffle=True, generator=shuffle_gen) builds, so one process draws the same order.
         batches = BatchSampler(RandomSampler(dataset, generator=shuffle_gen), cfg.batch_size, drop_last=False)
-    loader = DataLoader(dataset, batch_sampler=GlobalBatchShards(batches, world), collate_fn=collate_fn)
+    # The loader gets the generator too: each new iterator draws its workers' base seed from it
+    # before the sampler shuffles, as the DataLoader(shuffle=True) this replaces did.
+    loader = DataLoader(dataset, batch_sampler=GlobalBatchShards(batches, world), collate_fn=collate_fn, generator=shuffle_gen)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     model.train()
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
