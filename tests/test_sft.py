@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from accelerate import debug_launcher
+from torch.utils.data import DataLoader
+from accelerate import Accelerator, debug_launcher
 
 from gr2model.ar_decode import ar_generate
 from gr2model.rerank_format import (
@@ -25,6 +26,7 @@ from gr2model.sft import (
     check_global_batches,
     collate_right_padded,
     encode_example,
+    run_train_loop,
     train_sft,
     warmup_cosine_factor,
     weighted_lm_loss,
@@ -253,3 +255,21 @@ def test_a_batch_smaller_than_the_process_count_is_refused_before_any_work() -> 
     with pytest.raises(ValueError, match="batch of 4 examples, fewer than the 8 processes"):
         check_global_batches(64, 4, 8)
     check_global_batches(17, 8, 1)
+
+
+def test_one_process_draws_the_batches_a_shuffled_dataloader_draws(tok) -> None:
+    """With one process the global batches are those of DataLoader(shuffle=True, generator
+    seeded by cfg.seed), epoch after epoch: what the loop drew before batches became global,
+    so single-process runs train exactly as they did."""
+    seen: list[list[int]] = []
+
+    def loss_sums(m, batch, epoch):
+        seen.append(batch.tolist())
+        zero = sum(p.sum() for p in m.parameters()) * 0.0  # a backward that changes nothing
+        return zero, torch.zeros(6), torch.tensor(len(batch))
+
+    cfg = SFTConfig(epochs=2, batch_size=4, seed=3, warmup_steps=0)
+    run_train_loop(toy_model(tok), list(range(10)), torch.tensor, loss_sums, cfg, accelerator=Accelerator())
+    loader = DataLoader(list(range(10)), batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(3), collate_fn=torch.tensor)
+    assert seen == [b.tolist() for _ in range(2) for b in loader]
+    assert sorted(sum(seen[:3], [])) == list(range(10))  # 4, 4, 2: every example once an epoch
