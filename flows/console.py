@@ -8,6 +8,14 @@ DVC's chatter) goes to `logs/<run>.log` in the workspace; `-v` puts it back on
 the console. httpx logs every Prefect API call at INFO: those lines are dropped
 unless `-v`.
 
+While a stage runs, one live line shows its progress: the pipeline position,
+the stage's time so far, and the stage's current tqdm bar (what it counts, a
+small bar, n/total, rate, ETA), parsed from the bar lines the stage already
+prints (`parse_tqdm`; flows/dvc_stages.repro feeds them in). On a terminal the
+line is redrawn in place and wiped before any other console line; anywhere else
+(a file, CI, a pipe) the same text is printed as an ordinary line at most once
+a minute (`PROGRESS_PRINT_EVERY_S`), never one line per refresh.
+
 The stage lines are records of the `gr2.console` logger, so they land in the
 log file and in Prefect's logs as well, and a caller that never set up this
 console (tests, `gr2 schedule run`) still sees them as ordinary INFO records.
@@ -17,15 +25,18 @@ from __future__ import annotations
 
 import logging
 import os
+import re
+import shutil
 import sys
+import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
-from tasks.report import format_headline, headline_metrics, read_json
+from tasks.report import read_json, stage_headline
 
 CONSOLE_LOGGER = "gr2.console"
 LOG_DIR = Path("logs")
@@ -78,6 +89,10 @@ class RunLog:
 
     def close(self) -> None:
         """Remove the handlers this run added; put back the ones it replaced and the levels it changed."""
+        global _live
+        if _live is not None:
+            _live.end()
+            _live = None
         root = logging.getLogger()
         for h in self.handlers:
             root.removeHandler(h)
@@ -99,12 +114,16 @@ class RunLog:
                 os.environ[key] = old
 
 
-def setup_run_logging(root: Path, verbose: bool = False, stream: TextIO | None = None, run_name: str | None = None) -> RunLog:
+def setup_run_logging(
+    root: Path, verbose: bool = False, stream: TextIO | None = None, run_name: str | None = None, live: bool | None = None
+) -> RunLog:
     """Send every record to `<root>/logs/<run>.log` and only the stage lines and our warnings to the console.
 
     The root logger's existing console handlers are replaced by one that writes
     to `stream` (default stderr) through the quiet filter, or unfiltered when
-    `verbose`. Returns the RunLog; `close()` undoes it.
+    `verbose`. The running stage's progress goes to the same stream (`LiveProgress`),
+    redrawn in place when `live` (default: the stream is a terminal), else printed
+    once a minute. Returns the RunLog; `close()` undoes it.
     """
     run_name = run_name or time.strftime("%Y%m%d-%H%M%S")
     path = root / LOG_DIR / f"{run_name}.log"
@@ -117,7 +136,10 @@ def setup_run_logging(root: Path, verbose: bool = False, stream: TextIO | None =
         top.removeHandler(h)
     file_handler = logging.FileHandler(path, encoding="utf-8")
     file_handler.setFormatter(logging.Formatter(LOG_FORMAT))
-    console = logging.StreamHandler(stream or sys.stderr)
+    global _live
+    stream = stream or sys.stderr
+    _live = LiveProgress(stream, tty=stream.isatty() if live is None else live)
+    console = _ConsoleHandler(stream, _live)
     if verbose:
         console.setFormatter(logging.Formatter(LOG_FORMAT))
     else:
@@ -155,12 +177,205 @@ def _quiet_mlflow(run_log: RunLog) -> None:
     os.environ["MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"] = "false"
 
 
+# --- the live progress line -----------------------------------------------------------------------
+
+PROGRESS_PRINT_EVERY_S = 60.0  # off a terminal: at most one progress line a minute per stage
+REDRAW_EVERY_S = 0.2  # on a terminal: redraw at most 5 times a second (tqdm refreshes up to 10)
+TICK_S = 1.0  # on a terminal: redraw at least once a second, so the stage's clock moves and a bar's last state shows
+BAR_WIDTH = 20
+
+_NUM = r"[\d.]+[kMGTPEZY]?"  # tqdm's n and total, with unit_scale's suffixes
+_TAIL = r"\[(?P<elapsed>[\d:]+)(?:<(?P<remaining>[\d:]+|\?))?,\s*(?P<rate>[^,\]]+)(?:,\s*(?P<postfix>[^\]]*))?\]\s*$"
+# tqdm's default bar, known total: "dapo:  45%|████▌     | 45/100 [00:10<00:12,  4.50it/s, loss=1.2]"
+_TQDM_TOTAL = re.compile(r"^(?:(?P<desc>.*?):\s*)?(?P<pct>\d{1,3})%\|[^|]*\|\s*(?P<n>" + _NUM + r")/(?P<total>" + _NUM + r")\s*" + _TAIL)
+# unknown total: "next-item valid: 3batch [00:00, 36.8batch/s]"
+_TQDM_COUNT = re.compile(r"^(?:(?P<desc>.*?):\s*)?(?P<n>" + _NUM + r")(?P<unit>[A-Za-z]*)\s*" + _TAIL)
+
+
+@dataclass(frozen=True)
+class BarState:
+    """One state of a stage's tqdm bar, as printed (strings kept as tqdm formatted them)."""
+
+    desc: str
+    n: str
+    total: str | None  # None: the bar counts without a total
+    percent: int | None
+    elapsed: str
+    remaining: str | None  # "00:12"; None when unknown
+    rate: str  # "4.50it/s"
+
+
+def parse_tqdm(line: str) -> BarState | None:
+    """A tqdm bar line (default format, with or without a total) as a BarState; None for any other line."""
+    line = line.strip()
+    m = _TQDM_TOTAL.match(line)
+    if m:
+        return BarState(
+            desc=(m["desc"] or "").strip(), n=m["n"], total=m["total"], percent=int(m["pct"]), elapsed=m["elapsed"],
+            remaining=None if m["remaining"] in (None, "?") else m["remaining"], rate=m["rate"].strip(),
+        )  # fmt: skip
+    m = _TQDM_COUNT.match(line)
+    if m:
+        return BarState(desc=(m["desc"] or "").strip(), n=m["n"], total=None, percent=None, elapsed=m["elapsed"], remaining=None, rate=m["rate"].strip())
+    return None
+
+
+def _clock(seconds: float) -> str:
+    """1:23, 1:02:03."""
+    s = int(seconds)
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60}:{s % 60:02d}"
+
+
+def progress_text(position: int, total: int, stage: str, stage_seconds: float, bar: BarState | None) -> str:
+    """`[5/11] sft 1:23 | dapo [█████████░░░░░░░░░░░] 45% 45/100 4.50it/s ETA 00:12`"""
+    head = f"[{position}/{total}] {stage} {_clock(stage_seconds)}"
+    if bar is None:
+        return head
+    parts = [bar.desc] if bar.desc else []
+    if bar.percent is not None and bar.total is not None:
+        filled = round(BAR_WIDTH * min(bar.percent, 100) / 100)
+        parts += ["[" + "█" * filled + "░" * (BAR_WIDTH - filled) + "]", f"{bar.percent}%", f"{bar.n}/{bar.total}"]
+    else:
+        parts.append(bar.n)
+    parts.append(bar.rate)
+    if bar.remaining is not None:
+        parts.append(f"ETA {bar.remaining}")
+    return f"{head} | {' '.join(parts)}"
+
+
+class LiveProgress:
+    """The running stage's progress line on the console stream.
+
+    On a terminal (`tty`) the line is redrawn in place (carriage return, erase to
+    the end of the line) and `hide`/`show` wipe and redraw it around any other
+    console output, so log lines never land in the middle of it. Elsewhere the
+    same text goes out through the `gr2.console` logger at most every `every_s`
+    seconds of a stage (so into the log file as well), never once per refresh.
+    On a terminal a ticker thread also redraws every `tick_s` seconds (None: no
+    ticker): an update that came within REDRAW_EVERY_S of the last draw (often a
+    short bar's final state) is shown, and the stage's clock moves while it
+    prints no bar. `clock` is injectable so tests need no sleeping.
+    """
+
+    def __init__(
+        self, stream: TextIO, tty: bool, *, every_s: float = PROGRESS_PRINT_EVERY_S, tick_s: float | None = TICK_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:  # fmt: skip
+        self.stream = stream
+        self.tty = tty
+        self.every_s = every_s
+        self.tick_s = tick_s
+        self.clock = clock
+        self._ticker: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._lock = threading.RLock()
+        self._stage: tuple[int, int, str] | None = None
+        self._started = 0.0
+        self._last_print = 0.0
+        self._last_draw = float("-inf")
+        self._bar: BarState | None = None
+        self._drawn = ""  # the text now on the terminal's last line ("" when none)
+
+    def begin(self, position: int, total: int, stage: str) -> None:
+        with self._lock:
+            self._stage = (position, total, stage)
+            self._started = self._last_print = self.clock()
+            self._bar = None
+            if self.tty and self.tick_s and self._ticker is None:
+                self._stop.clear()
+                self._ticker = threading.Thread(target=self._tick, name="gr2-progress", daemon=True)
+                self._ticker.start()
+
+    def end(self) -> None:
+        with self._lock:
+            self.hide()
+            self._stage = None
+            self._bar = None
+            ticker, self._ticker = self._ticker, None
+        if ticker is not None:
+            self._stop.set()
+            ticker.join()
+
+    def _tick(self) -> None:
+        while not self._stop.wait(self.tick_s):
+            with self._lock:
+                if self._stage is not None:
+                    self._last_draw = self.clock()
+                    self._draw(self.text())
+
+    def text(self) -> str:
+        """The current progress text; "" between stages."""
+        with self._lock:
+            if self._stage is None:
+                return ""
+            position, total, stage = self._stage
+            return progress_text(position, total, stage, self.clock() - self._started, self._bar)
+
+    def update(self, bar: BarState) -> None:
+        """A new state of the stage's bar: redraw (terminal) or print if a minute has passed (elsewhere)."""
+        to_print = ""
+        with self._lock:
+            if self._stage is None:
+                return
+            self._bar = bar
+            now = self.clock()
+            if self.tty:
+                if now - self._last_draw >= REDRAW_EVERY_S:
+                    self._last_draw = now
+                    self._draw(self.text())
+                return
+            if now - self._last_print >= self.every_s:
+                self._last_print = now
+                to_print = self.text()
+        if to_print:
+            # Outside the lock: the console handler takes it again (hide/show) under its own lock.
+            console_log.info("%s", to_print)
+
+    def _draw(self, text: str) -> None:
+        width = shutil.get_terminal_size((100, 24)).columns
+        text = text[: max(10, width - 1)]  # one terminal row: a wrapped line could not be redrawn in place
+        self.stream.write("\r" + text + "\x1b[K")
+        self.stream.flush()
+        self._drawn = text
+
+    def hide(self) -> None:
+        """Wipe the live line (terminal only) before other output."""
+        with self._lock:
+            if self.tty and self._drawn:
+                self.stream.write("\r\x1b[K")
+                self.stream.flush()
+                self._drawn = ""
+
+    def show(self) -> None:
+        """Redraw the live line (terminal only) after other output."""
+        with self._lock:
+            if self.tty and self._stage is not None and (self._bar is not None or self._ticker is not None):
+                self._draw(self.text())
+
+
+_live: LiveProgress | None = None  # the live line of the `gr2 run` in this process, if any
+
+
+class _ConsoleHandler(logging.StreamHandler):
+    """The console's handler: wipes the live progress line before a record and redraws it after."""
+
+    def __init__(self, stream: TextIO, live: LiveProgress) -> None:
+        super().__init__(stream)
+        self.live = live
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.live.hide()
+        super().emit(record)
+        self.live.show()
+
+
+def stage_progress(bar: BarState) -> None:
+    """Pass a stage's bar state to the live line of this process's `gr2 run` (nothing without one)."""
+    if _live is not None:
+        _live.update(bar)
+
+
 # --- the stage lines ------------------------------------------------------------------------------
-
-
-def _headline(root: Path, stage: str, metrics: Mapping[str, Any] | None) -> str:
-    speed = read_json(root / "metrics" / "speed.json") if stage == "evaluate" else None
-    return format_headline(headline_metrics(stage, metrics, speed))
 
 
 def stage_started(position: int, total: int, stage: str) -> None:
@@ -171,7 +386,7 @@ def stage_started(position: int, total: int, stage: str) -> None:
 def stage_finished(position: int, total: int, summary: Mapping[str, Any], root: Path, seconds: float) -> None:
     """`[5/11] sft ran in 123.4 s: loss 0.0975, valid loss 0.0803` (skipped: the metrics on disk)."""
     stage = summary["stage"]
-    head = _headline(root, stage, summary.get("metrics"))
+    head = stage_headline(root, stage, summary.get("metrics"))
     status = "ran" if summary.get("status") == "ran" else "skipped (up to date)"
     console_log.info("[%d/%d] %s %s in %.1f s%s", position, total, stage, status, seconds, f": {head}" if head else "")
 
@@ -187,11 +402,18 @@ def stage_lines(position: int, total: int, stage: str, root: Path) -> Iterator[d
     stage_started(position, total, stage)
     start = time.perf_counter()
     out: dict[str, Any] = {}
+    live = _live
+    if live is not None:
+        live.begin(position, total, stage)
     try:
         yield out
     except BaseException:
+        if live is not None:
+            live.end()
         stage_failed(position, total, stage, time.perf_counter() - start)
         raise
+    if live is not None:
+        live.end()
     if "summary" in out:
         stage_finished(position, total, out["summary"], root, time.perf_counter() - start)
 
@@ -212,7 +434,7 @@ def status_rows(root: Path, stages: list[str], changed: set[str] | None) -> list
                 "metrics": path.exists(),
                 "written": time.strftime("%Y-%m-%d %H:%M", time.localtime(path.stat().st_mtime)) if path.exists() else "",
                 "seconds": (metrics or {}).get("seconds"),
-                "headline": _headline(root, stage, metrics),
+                "headline": stage_headline(root, stage, metrics),
                 "dvc": None if changed is None else ("out of date" if stage in changed else "up to date"),
             }
         )

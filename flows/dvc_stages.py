@@ -17,6 +17,8 @@ from typing import Any
 
 import yaml
 
+from flows.console import parse_tqdm, stage_progress
+
 log = logging.getLogger("flows.dvc")
 
 DVC_ENV = {"DVC_NO_ANALYTICS": "1"}
@@ -57,8 +59,9 @@ def changed_stages(root: Path) -> set[str]:
 def repro(root: Path, stage: str, env: dict[str, str] | None = None, force: bool = False) -> None:
     """Run one stage through the DVC CLI (the same path as a user's `dvc repro`).
 
-    Output streams to this process's logs line by line; a failure raises with the
-    stage's last lines.
+    Output streams to this process's logs line by line (a progress bar's lines
+    every few seconds only) and each state of the stage's tqdm bars to the
+    console's live progress line; a failure raises with the stage's last lines.
     """
     cmd = [sys.executable, "-m", "dvc", "repro", "--single-item", stage]
     if force:
@@ -77,8 +80,10 @@ def repro(root: Path, stage: str, env: dict[str, str] | None = None, force: bool
         if not line:
             continue
         tail = (tail + [line])[-20:]
-        # Progress bars redraw many times a second: pass one on every few seconds.
-        if "%|" in line:
+        bar = parse_tqdm(line)
+        if bar is not None:
+            stage_progress(bar)
+            # Progress bars redraw many times a second: one line every few seconds is enough for the log.
             if time.monotonic() - last_progress < PROGRESS_EVERY_S:
                 continue
             last_progress = time.monotonic()

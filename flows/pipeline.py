@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from prefect import flow, get_run_logger, task
-from prefect.artifacts import create_markdown_artifact, create_table_artifact
+from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run
 
@@ -25,12 +25,29 @@ from flows.console import stage_lines
 from flows.promote import record_evaluations_task
 from flows.registry import MODEL_STAGES, register_checkpoint
 from flows.reproduce import record_lineage, runtime_tags
+from tasks.report import REPORT_HTML, log_stage_figures, report_markdown, stage_headline
 from tasks.tracking import close_stale_runs, configure, experiment_id, flatten, git_lineage, metric_key, owner_tags
 
 
 def _read_metrics(root: Path, stage: str) -> dict[str, Any]:
     path = root / "metrics" / f"{stage}.json"
     return json.loads(path.read_text()) if path.exists() else {}
+
+
+def artifact_key(stage: str) -> str:
+    """Prefect artifact keys allow lowercase letters, digits and dashes only: `ar_rl` -> `stage-ar-rl`."""
+    return "stage-" + stage.replace("_", "-")
+
+
+def _stage_artifact(root: Path, summary: dict[str, Any]) -> None:
+    """The stage's headline as a markdown artifact of its task run (the task run is named after the stage)."""
+    stage = summary["stage"]
+    if summary["status"] == "ran":
+        lines = [f"### {stage}: ran in {summary['seconds']:.1f} s", "", stage_headline(root, stage, summary["metrics"]) or "(no headline metrics)", ""]
+        lines.append(f"MLflow run `{summary['run_id']}`" + (f"; figures: {', '.join(f'`{f}`' for f in summary['figures'])}" if summary.get("figures") else ""))
+    else:
+        lines = [f"### {stage}: skipped (up to date)", "", stage_headline(root, stage, summary["metrics"]) or "(no headline metrics)"]
+    create_markdown_artifact("\n".join(lines) + "\n", key=artifact_key(stage), description=f"stage {stage}: headline metrics")
 
 
 # Retrying a stage is safe: every stage writes its outputs to temporary names
@@ -44,7 +61,9 @@ def run_stage(stage: str, root: str, parent_run_id: str, force: bool = False) ->
     rootp = Path(root)
     if not force and stage not in dvc_stages.changed_stages(rootp):
         logger.info("stage %s is up to date (DVC): skipped", stage)
-        return {"stage": stage, "status": "skipped", "seconds": 0.0, "run_id": None, "metrics": _read_metrics(rootp, stage)}
+        summary = {"stage": stage, "status": "skipped", "seconds": 0.0, "run_id": None, "metrics": _read_metrics(rootp, stage)}
+        _stage_artifact(rootp, summary)
+        return summary
 
     client = MlflowClient()
     tags = {
@@ -68,7 +87,12 @@ def run_stage(stage: str, root: str, parent_run_id: str, force: bool = False) ->
         client.set_tag(run_id, key, value)
     client.log_metric(run_id, "stage_seconds", seconds)
     logger.info("stage %s: done in %.1f s", stage, seconds)
-    return {"stage": stage, "status": "ran", "seconds": seconds, "run_id": run_id, "metrics": _read_metrics(rootp, stage)}
+    metrics = _read_metrics(rootp, stage)
+    # The report's figures of this stage on its own run (after the stage, by the flow: see log_stage_figures).
+    figures = log_stage_figures(stage, metrics, client, run_id, rootp, logger)
+    summary = {"stage": stage, "status": "ran", "seconds": seconds, "run_id": run_id, "metrics": metrics, "figures": figures}
+    _stage_artifact(rootp, summary)
+    return summary
 
 
 @task(retries=2, retry_delay_seconds=2, cache_policy=NO_CACHE)
@@ -140,7 +164,7 @@ def _mark_flow_runs_crashed(client: Any, run_ids: list[str], logger: Any) -> Non
                 logger.info("Prefect flow run %s not marked crashed: %s", fid, exc)
 
 
-def _summary_table(summaries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _summary_table(summaries: list[dict[str, Any]], root: Path) -> list[dict[str, Any]]:
     rows = []
     for s in summaries:
         m = s["metrics"]
@@ -149,11 +173,25 @@ def _summary_table(summaries: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "stage": s["stage"],
                 "status": s["status"],
                 "seconds": s["seconds"],
+                "headline": stage_headline(root, s["stage"], s["metrics"]),
                 "mlflow_run": s["run_id"] or "",
                 "metrics": ", ".join(f"{k}={v}" for k, v in m.items() if isinstance(v, (int, float)))[:300],
             }
         )
     return rows
+
+
+def _publish_report(root: Path, summaries: list[dict[str, Any]]) -> None:
+    """The report on the flow run: its key tables as markdown, and a link to reports/index.html when it exists.
+
+    The page itself stays on disk (it is self-contained, so a browser opens it
+    offline); a file:// link from Prefect's web UI may be blocked by the browser,
+    so the markdown names the path too.
+    """
+    create_markdown_artifact(report_markdown(root, summaries), key="gr2-report", description="key tables of reports/index.html")
+    page = root / REPORT_HTML
+    if page.exists():
+        create_link_artifact(page.as_uri(), link_text=str(page), key="gr2-report-html", description="the offline report (tables and figures)")
 
 
 @flow(name="gr2-pipeline", log_prints=True)
@@ -193,9 +231,9 @@ def pipeline(root: str = ".", stages: list[str] | None = None, force: bool = Fal
         for position, stage in enumerate(order, 1):
             # One console line as the stage starts, one as it ends (flows/console.py).
             with stage_lines(position, len(order), stage, rootp) as lines:
-                summary = run_stage.with_options(name=stage)(stage, str(rootp), parent_id, force)
+                summary = run_stage.with_options(name=stage, task_run_name=stage)(stage, str(rootp), parent_id, force)
                 if stage in MODEL_STAGES:
-                    summary["registered"] = register_model.with_options(name=f"register-{stage}")(stage, str(rootp), summary)
+                    summary["registered"] = register_model.with_options(name=f"register-{stage}", task_run_name=f"register-{stage}")(stage, str(rootp), summary)
                 lines["summary"] = summary
             summaries.append(summary)
         # After evaluate (and any later stage): each registered version gets its checkpoint's
@@ -205,11 +243,12 @@ def pipeline(root: str = ".", stages: list[str] | None = None, force: bool = Fal
     finally:
         client.set_terminated(parent_id, status)
         if summaries:
-            create_table_artifact(_summary_table(summaries), key="gr2-pipeline-stages", description="Stages of this run")
+            create_table_artifact(_summary_table(summaries, rootp), key="gr2-pipeline-stages", description="Stages of this run")
             md = "\n\n".join(f"### {s['stage']} ({s['status']})\n```json\n{json.dumps(s['metrics'], indent=2)}\n```" for s in summaries)
             create_markdown_artifact(md, key="gr2-pipeline-metrics", description="metrics/<stage>.json of every stage")
             # The paper's two tables (accuracy ablation, decode speed) as artifacts of the run that made them.
             for name, report in (("evaluation", "reports/evaluate.md"), ("speed", "reports/speed.md")):
                 if any(s["stage"] == "evaluate" and s["status"] == "ran" for s in summaries) and (rootp / report).exists():
                     create_markdown_artifact((rootp / report).read_text(), key=f"gr2-{name}", description=report)
+            _publish_report(rootp, summaries)
     return summaries

@@ -9,9 +9,11 @@ shared/notes/STACK.md), tagged with its stage and lineage, and given the alias
 
 from __future__ import annotations
 
+import contextlib
+import io
 import logging
 from collections import Counter
-from collections.abc import Container, Mapping
+from collections.abc import Container, Iterator, Mapping
 from dataclasses import dataclass
 from importlib.metadata import version
 from pathlib import Path
@@ -428,6 +430,27 @@ def find_version(client: MlflowClient, model_name: str, checkpoint_md5: str) -> 
     return found[0] if found else None
 
 
+@contextlib.contextmanager
+def mlflow_prints_to_log(logger: logging.Logger) -> Iterator[None]:
+    """Log what MLflow prints to stderr meanwhile, at INFO, instead of letting it reach the console.
+
+    MLflow's registry announces itself with bare prints ("Registered model 'gr2'
+    already exists. Creating a new version of this model...", "Created version
+    '3' of model 'gr2'.": `mlflow.utils.logging_utils.eprint`, which writes to
+    whatever `sys.stderr` is at the time), not through a logger, so no handler or
+    filter of the quiet console can stop them. The console handler holds the real
+    stream, so our own lines still show while stderr is redirected.
+    """
+    buf = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(buf):
+            yield
+    finally:
+        for line in buf.getvalue().splitlines():
+            if line.strip():
+                logger.info("%s", line.rstrip())
+
+
 def register_checkpoint(
     spec: ModelStage,
     root: Path,
@@ -445,7 +468,7 @@ def register_checkpoint(
     if existing is not None:
         log.info("%s: checkpoint %s is already version %s; not registering again", spec.model_name, checkpoint_md5, existing.version)
         return str(existing.version), False
-    with mlflow.start_run(run_id=run_id):
+    with mlflow.start_run(run_id=run_id), mlflow_prints_to_log(log):
         info = mlflow.pyfunc.log_model(
             name=spec.stage,
             python_model=PYFUNC_CLASSES[spec.model_name](),

@@ -184,6 +184,13 @@ def headline_metrics(stage: str, metrics: Mapping[str, Any] | None, speed: Mappi
     return out[:2]
 
 
+def stage_headline(root: Path, stage: str, metrics: Mapping[str, Any] | None) -> str:
+    """The formatted headline of a stage from its metrics (`evaluate` also reads metrics/speed.json):
+    the console's end line, `gr2 status`, the Prefect artifacts."""
+    speed = read_json(root / METRICS_DIR / f"{SPEED_STAGE}.json") if stage == "evaluate" else None
+    return format_headline(headline_metrics(stage, metrics, speed))
+
+
 def format_headline(items: Sequence[tuple[str, float | str]]) -> str:
     """`[("R@10", 0.0928)] -> "R@10 0.0928"`; counts print as integers."""
     parts = []
@@ -251,26 +258,65 @@ def mlflow_curves(root: Path, stages: Sequence[str] = tuple(CURVE_KEYS)) -> dict
         runs = client.search_runs(
             [exp], filter_string=f"tags.`gr2.stage` = '{stage}' and attributes.status = 'FINISHED'", order_by=["attributes.start_time DESC"], max_results=1
         )
-        if not runs:
-            continue
-        run_id = runs[0].info.run_id
-        wanted = [k for k in CURVE_KEYS[stage] if k != "signal_share"]
-        if "signal_share" in CURVE_KEYS[stage]:
-            wanted += ["kept_groups", "sampled_groups"]
-        raw = {}
-        for key in wanted:
-            if key in runs[0].data.metrics:
-                hist = sorted(client.get_metric_history(run_id, key), key=lambda m: (m.step, m.timestamp))
-                raw[key] = [(int(m.step), float(m.value)) for m in hist if math.isfinite(m.value)]
-        # A lone point at step 0 is a final summary logged under the same name, not a curve;
-        # a lone point later on (one validation at the end of training) is still worth a marker.
-        series = {k: thin(v) for k, v in raw.items() if k in CURVE_KEYS[stage] and (len(v) > 1 or (v and v[0][0] > 0))}
-        if "kept_groups" in raw and "sampled_groups" in raw:
-            _with_signal_share(series, raw["kept_groups"], raw["sampled_groups"])
-        series = {k: series[k] for k in CURVE_KEYS[stage] if k in series}
-        if series:
+        if runs and (series := run_curves(client, runs[0], stage)):
             out[stage] = series
     return out
+
+
+def run_curves(client: Any, run: Any, stage: str) -> dict[str, Curve]:
+    """The CURVE_KEYS series of `stage` from one MLflow run's step metrics (`run`: an mlflow Run)."""
+    wanted = [k for k in CURVE_KEYS.get(stage, ()) if k != "signal_share"]
+    if "signal_share" in CURVE_KEYS.get(stage, ()):
+        wanted += ["kept_groups", "sampled_groups"]
+    raw = {}
+    for key in wanted:
+        if key in run.data.metrics:
+            hist = sorted(client.get_metric_history(run.info.run_id, key), key=lambda m: (m.step, m.timestamp))
+            raw[key] = [(int(m.step), float(m.value)) for m in hist if math.isfinite(m.value)]
+    # A lone point at step 0 is a final summary logged under the same name, not a curve;
+    # a lone point later on (one validation at the end of training) is still worth a marker.
+    series = {k: thin(v) for k, v in raw.items() if k in CURVE_KEYS[stage] and (len(v) > 1 or (v and v[0][0] > 0))}
+    if "kept_groups" in raw and "sampled_groups" in raw:
+        _with_signal_share(series, raw["kept_groups"], raw["sampled_groups"])
+    return {k: series[k] for k in CURVE_KEYS[stage] if k in series}
+
+
+FIGURES_DIR = "figures"  # the stage run's artifact folder for its figures
+
+
+def log_stage_figures(stage: str, metrics: Mapping[str, Any], client: Any, run_id: str, root: Path, logger: Any) -> list[str]:
+    """Draw the stage's figures (`tasks.report_html.stage_figures`) and log them to its own MLflow run as PNGs.
+
+    The curves come from the stage's metrics' `history` when it has one, else from
+    the step metrics its run logged. The flow calls this once a stage has run
+    (flows/pipeline.run_stage), not the stage itself: tasks/common.py is a DVC
+    dependency of every stage, so a hook there would make every stage out of date.
+    A drawing or MLflow problem is a warning, never a failed stage. Returns the
+    artifact paths logged.
+    """
+    if stage not in CURVE_KEYS and stage != "evaluate":
+        return []
+    try:
+        from tasks.report_html import close_figure, stage_figures
+
+        curves: dict[str, Curve] = {}
+        if isinstance(metrics.get("history"), list):
+            curves = curves_from_history(stage, metrics["history"])
+        if not curves and stage in CURVE_KEYS:
+            curves = run_curves(client, client.get_run(run_id), stage)
+        speed = read_json(root / METRICS_DIR / f"{SPEED_STAGE}.json") if stage == "evaluate" else None
+        logged = []
+        for name, fig in stage_figures(stage, metrics, curves, speed).items():
+            path = f"{FIGURES_DIR}/{name}.png"
+            try:
+                client.log_figure(run_id, fig, path)  # PNG: MLflow's UI previews it
+            finally:
+                close_figure(fig)
+            logged.append(path)
+        return logged
+    except Exception as exc:
+        logger.warning("%s: figures not logged to MLflow (%s: %s)", stage, type(exc).__name__, exc)
+        return []
 
 
 # --- the registry ------------------------------------------------------------------------------
@@ -359,3 +405,55 @@ def write_report(inputs: ReportInputs, path: Path | None = None) -> Path:
     path = path or inputs.root / REPORT_HTML
     write_text_atomic(render_html(inputs), path)
     return path
+
+
+# --- the report as a Prefect artifact ---------------------------------------------------------
+
+
+def _md_cell(text: str) -> str:
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def report_markdown(root: Path, summaries: Sequence[Mapping[str, Any]]) -> str:
+    """The report's key tables in markdown, for the flow run's artifact (Prefect's UI renders it).
+
+    One row per stage of this run (status, seconds, headline), the test ablation
+    (R@1 with its interval, valid-permutation rate) and the speed-up at parity
+    when `evaluate` has written them, and where the full report is. `summaries`
+    are the flow's stage summaries (`stage`, `status`, `seconds`, `metrics`).
+    """
+    root = root.resolve()
+    speed = read_json(root / METRICS_DIR / f"{SPEED_STAGE}.json")
+    lines = ["## Diffusion-GR2 pipeline", "", "| stage | status | seconds | headline |", "|---|---|---:|---|"]
+    for s in summaries:
+        head = stage_headline(root, s["stage"], s.get("metrics"))
+        status = "ran" if s.get("status") == "ran" else "skipped (up to date)"
+        lines.append(f"| {_md_cell(s['stage'])} | {status} | {float(s.get('seconds') or 0.0):.1f} | {_md_cell(head or '-')} |")
+    evaluate = read_json(root / METRICS_DIR / "evaluate.json")
+    if evaluate:
+        split = "test" if any("test" in (evaluate.get(m) or {}) for m in evaluate) else "valid"
+        rows = [m for m in ABLATION_ROWS if isinstance(dig(evaluate, f"{m}.{split}"), Mapping)]
+        rows += sorted(m for m in evaluate if m.startswith(SPEC_PREFIX) and isinstance(dig(evaluate, f"{m}.{split}"), Mapping))
+        if rows:
+            lines += ["", f"### Ablation ({split})", "", "| model | R@1 | R@1 95% CI | valid perm | n |", "|---|---:|---|---:|---:|"]
+            for m in rows:
+                r = evaluate[m][split]
+                ci = r.get("recall@1_ci95")
+                ci_text = f"[{ci[0]:.4f}, {ci[1]:.4f}]" if isinstance(ci, list) and len(ci) == 2 else "-"
+                r1, vp = _number(r.get("recall@1")), _number(r.get("valid_permutation_rate"))
+                n = _number(r.get("n"))
+                lines.append(
+                    f"| {_md_cell(m)} | {'-' if r1 is None else f'{r1:.4f}'} | {ci_text} | {'-' if vp is None else f'{vp:.4f}'} | {'-' if n is None else int(n)} |"
+                )
+    rows_speed = (speed or {}).get("rows") or []
+    if rows_speed:
+        p = parity_point(rows_speed, 1)
+        at_parity = f"{float(p['speedup']):.2f}x ({p.get('model')}, tau {p.get('tau')})" if p else "none"
+        lines += ["", f"Speed-up at parity (batch 1): {at_parity}."]
+    report = root / REPORT_HTML
+    lines += [""]
+    if report.exists():
+        lines.append(f"Full report, offline (tables and figures): `{report}` (open file://{report}; `gr2 report` redraws it).")
+    else:
+        lines.append("No reports/index.html yet: the `evaluate` stage writes it, `gr2 report` draws it from the metrics on disk.")
+    return "\n".join(lines) + "\n"

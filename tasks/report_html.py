@@ -49,6 +49,11 @@ def _pyplot() -> Any:
     return plt
 
 
+def close_figure(fig: Any) -> None:
+    """Free a figure that was drawn but not embedded (pyplot keeps every open figure alive)."""
+    _pyplot().close(fig)
+
+
 def figure_img(fig: Any, alt: str) -> str:
     """A matplotlib figure as an <img> with the SVG inline (base64); closes the figure."""
     plt = _pyplot()
@@ -64,12 +69,48 @@ def figure_img(fig: Any, alt: str) -> str:
     return f'<div class="fig"><img alt="{html.escape(alt)}" src="data:image/svg+xml;base64,{data}"></div>'
 
 
+def _img(fig: Any | None, alt: str) -> str:
+    """`figure_img`, or "" for a figure with nothing to draw."""
+    return "" if fig is None else figure_img(fig, alt)
+
+
+def stage_figures(
+    stage: str, metrics: Mapping[str, Any] | None, curves: Mapping[str, Sequence[tuple[int, float]]] | None, speed: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
+    """The report's figures that belong to one stage, as open matplotlib figures by file stem.
+
+    Training curves for every stage with a history; `retrieve`: the pre-ranker
+    against its baselines; `evaluate`: the ablation per split and the
+    speed-accuracy trade-off per batch size. The caller saves and closes them.
+    """
+    figs: dict[str, Any] = {}
+    if curves:
+        figs[f"{stage}_training_curves"] = curves_plot(stage, curves)
+    if stage == "retrieve" and isinstance((metrics or {}).get("full_ranking"), Mapping):
+        for split in ("test", "valid"):
+            if split in metrics["full_ranking"]:
+                figs[f"retrieve_full_ranking_{split}"] = retrieve_plot(metrics["full_ranking"], split)
+                break
+    if stage == "evaluate" and metrics:
+        models = ablation_models(metrics)
+        for split in ("test", "valid"):
+            figs[f"evaluate_ablation_{split}"] = ablation_plot(metrics, split, models)
+        rows = (speed or {}).get("rows") or []
+        for bs in sorted({int(r["batch_size"]) for r in rows if isinstance(r.get("batch_size"), int)}):
+            figs[f"evaluate_speed_accuracy_batch{bs}"] = speed_plot(rows, bs)
+    return {name: fig for name, fig in figs.items() if fig is not None}
+
+
 def _ablation_figure(evaluate: Mapping[str, Any], split: str, models: Sequence[str]) -> str:
-    """R@1 of each ablation row with its 95% interval, the pre-rank order as a reference line."""
+    return _img(ablation_plot(evaluate, split, models), f"Recall@1 with intervals, {split}")
+
+
+def ablation_plot(evaluate: Mapping[str, Any], split: str, models: Sequence[str]) -> Any | None:
+    """R@1 of each ablation row with its 95% interval, the pre-rank order as a reference line (None: no row)."""
     plt = _pyplot()
     rows = [(m, evaluate[m][split]) for m in models if dig(evaluate, f"{m}.{split}.recall@1") is not None]
     if not rows:
-        return ""
+        return None
     fig, ax = plt.subplots(figsize=(7, 0.35 * len(rows) + 1.2))
     for i, (name, m) in enumerate(rows):
         r1 = float(m["recall@1"])
@@ -83,7 +124,7 @@ def _ablation_figure(evaluate: Mapping[str, Any], split: str, models: Sequence[s
     ax.invert_yaxis()
     ax.set_xlabel(f"Recall@1 ({split}), 95% bootstrap interval")
     ax.grid(axis="x", alpha=0.3)
-    return figure_img(fig, f"Recall@1 with intervals, {split}")
+    return fig
 
 
 def _speed_series(rows: Sequence[Mapping[str, Any]], batch_size: int) -> dict[str, list[Mapping[str, Any]]]:
@@ -104,13 +145,17 @@ def _speed_series(rows: Sequence[Mapping[str, Any]], batch_size: int) -> dict[st
 
 
 def speed_figure(rows: Sequence[Mapping[str, Any]], batch_size: int) -> str:
+    return _img(speed_plot(rows, batch_size), f"speed-accuracy trade-off at batch size {batch_size}")
+
+
+def speed_plot(rows: Sequence[Mapping[str, Any]], batch_size: int) -> Any | None:
     """R@1 and valid-format rate against speed-up over AR at one batch size: one point per tau and
-    sub-block size, each point labelled with its tau, AR at 1x, the parity point ringed."""
+    sub-block size, each point labelled with its tau, AR at 1x, the parity point ringed (None: no row)."""
     plt = _pyplot()
     ar = ar_reference(rows, batch_size)
     series = _speed_series(rows, batch_size)
     if ar is None and not series:
-        return ""
+        return None
     parity = parity_point(rows, batch_size)
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     for ax, key, title in ((axes[0], "recall@1", "Recall@1"), (axes[1], "valid_format_rate", "valid-format rate")):
@@ -134,15 +179,19 @@ def speed_figure(rows: Sequence[Mapping[str, Any]], batch_size: int) -> str:
         ax.set_title(f"{title} vs speed-up, batch {batch_size}")
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=7, loc="best")
-    return figure_img(fig, f"speed-accuracy trade-off at batch size {batch_size}")
+    return fig
 
 
 def curves_figure(stage: str, series: Mapping[str, Sequence[tuple[int, float]]]) -> str:
-    """One small panel per series of a stage's training history, against the training step."""
+    return _img(curves_plot(stage, series), f"training curves of {stage}")
+
+
+def curves_plot(stage: str, series: Mapping[str, Sequence[tuple[int, float]]]) -> Any | None:
+    """One small panel per series of a stage's training history, against the training step (None: no series)."""
     plt = _pyplot()
     names = [k for k in series if series[k]]
     if not names:
-        return ""
+        return None
     cols = min(3, len(names))
     nrows = (len(names) + cols - 1) // cols
     fig, axes = plt.subplots(nrows, cols, figsize=(3.8 * cols, 2.6 * nrows), squeeze=False)
@@ -157,16 +206,20 @@ def curves_figure(stage: str, series: Mapping[str, Sequence[tuple[int, float]]])
         ax.set_visible(False)
     fig.suptitle(stage, fontsize=10)
     fig.tight_layout()
-    return figure_img(fig, f"training curves of {stage}")
+    return fig
 
 
 def _retrieve_figure(full: Mapping[str, Any], split: str) -> str:
-    """Full-ranking R@10 and NDCG@10 of the pre-ranker and its baselines (bars)."""
+    return _img(retrieve_plot(full, split), f"pre-ranker against its baselines, {split}")
+
+
+def retrieve_plot(full: Mapping[str, Any], split: str) -> Any | None:
+    """Full-ranking R@10 and NDCG@10 of the pre-ranker and its baselines (bars; None: no model)."""
     plt = _pyplot()
     by_model = full.get(split) or {}
     names = [n for n in by_model if isinstance(by_model[n], Mapping) and "recall@10" in by_model[n]]
     if not names:
-        return ""
+        return None
     fig, ax = plt.subplots(figsize=(6.5, 3.2))
     x = range(len(names))
     ax.bar([i - 0.2 for i in x], [float(by_model[n]["recall@10"]) for n in names], width=0.4, label="R@10")
@@ -175,7 +228,7 @@ def _retrieve_figure(full: Mapping[str, Any], split: str) -> str:
     ax.set_title(f"full ranking over every item ({split})", fontsize=10)
     ax.legend(fontsize=8)
     ax.grid(axis="y", alpha=0.3)
-    return figure_img(fig, f"pre-ranker against its baselines, {split}")
+    return fig
 
 
 # --- tables and sections -------------------------------------------------------------------------

@@ -124,3 +124,158 @@ def test_status_rows_and_table(tmp_path: Path) -> None:
     assert table[1].split()[:4] == ["prepare", "out", "of", "date"] and "no metrics" in table[1]
     assert table[2].split()[0] == "sft" and "1931" in table[2]
     assert "not checked" in status_table(status_rows(tmp_path, ["sft"], None))
+
+
+# --- the live progress line ---------------------------------------------------------------------
+
+
+def _tqdm_lines() -> list[str]:
+    """Real tqdm output (default format, known and unknown totals), split as flows/dvc_stages reads it."""
+    from tqdm import tqdm
+
+    buf = io.StringIO()
+    for _ in tqdm(range(4), desc="dapo", file=buf, mininterval=0):
+        pass
+    bar = tqdm(total=100, initial=40, desc="sft", file=buf, mininterval=0)
+    bar.update(5)
+    bar.set_postfix(loss=1.23)
+    bar.close()
+    for _ in tqdm(iter(range(3)), desc="next-item valid", unit="batch", file=buf, mininterval=0):
+        pass
+    for _ in tqdm(range(3000), desc="encode", file=buf, mininterval=0, unit_scale=True, miniters=1000):
+        pass
+    return [part.strip() for line in buf.getvalue().split("\n") for part in line.split("\r") if part.strip()]
+
+
+def test_parse_tqdm_reads_real_bars_and_nothing_else() -> None:
+    from flows.console import parse_tqdm
+
+    bars = [b for b in map(parse_tqdm, _tqdm_lines())]
+    assert all(b is not None for b in bars)
+    dapo = [b for b in bars if b.desc == "dapo"]
+    assert dapo[0].n == "0" and dapo[0].total == "4" and dapo[0].percent == 0 and dapo[0].remaining is None
+    assert dapo[-1].n == "4" and dapo[-1].percent == 100 and dapo[-1].rate.endswith("it/s") and dapo[-1].remaining == "00:00"
+    sft = [b for b in bars if b.desc == "sft"][-1]
+    assert (sft.n, sft.total, sft.percent) == ("45", "100", 45)  # the postfix (loss=1.23) is not the rate
+    assert "loss" not in sft.rate
+    counted = [b for b in bars if b.desc == "next-item valid"][-1]
+    assert counted.n == "3" and counted.total is None and counted.rate.endswith("batch/s")
+    assert [b for b in bars if b.desc == "encode"][-1].total == "3.00k"
+    for other in ("2026-12-05 17:52:28,662 sft tasks.sft INFO step 10 loss 1.2", "[sft] 45% done", "Running stage 'sft':"):
+        assert parse_tqdm(other) is None
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_live_line_on_a_terminal_is_redrawn_in_place_around_log_lines(tmp_path: Path) -> None:
+    import flows.console as console
+    from flows.console import BarState, stage_progress
+
+    out = io.StringIO()
+    run_log = setup_run_logging(tmp_path, stream=out, run_name="t1", live=True)
+    clock = _Clock()
+    console._live.clock = clock
+    console._live.tick_s = None  # no ticker thread: every draw below comes from an update or a log line
+    try:
+        with stage_lines(5, 11, "sft", tmp_path) as lines:
+            clock.t += 83
+            stage_progress(BarState("dapo", "45", "100", 45, "00:10", "00:12", "4.50it/s"))
+            logging.getLogger("flows.pipeline").warning("resuming from step 12")
+            clock.t += 0.01  # within the redraw interval: not drawn again
+            stage_progress(BarState("dapo", "46", "100", 46, "00:10", "00:12", "4.50it/s"))
+            lines["summary"] = {"stage": "sft", "status": "ran", "metrics": {}}
+    finally:
+        run_log.close()
+    live = "[5/11] sft 1:23 | dapo [" + "█" * 9 + "░" * 11 + "] 45% 45/100 4.50it/s ETA 00:12"
+    text = out.getvalue()
+    # drawn, wiped for the warning, drawn again below it, wiped before the end line
+    assert text == (
+        "[5/11] sft ...\n"
+        f"\r{live}\x1b[K"
+        "\r\x1b[Kresuming from step 12\n"
+        f"\r{live}\x1b[K"
+        "\r\x1b[K[5/11] sft ran in " + text.split("[5/11] sft ran in ")[1]
+    )
+    assert "46/100" not in text
+    assert "dapo" not in (tmp_path / "logs/t1.log").read_text()  # the terminal's live line is not logged
+
+
+def test_progress_off_a_terminal_is_one_line_a_minute(tmp_path: Path) -> None:
+    import flows.console as console
+    from flows.console import BarState, stage_progress
+
+    out = io.StringIO()
+    run_log = setup_run_logging(tmp_path, stream=out, run_name="t2")  # a StringIO is no terminal
+    clock = _Clock()
+    console._live.clock = clock
+    try:
+        with stage_lines(3, 11, "traces", tmp_path) as lines:
+            for seconds in (1, 30, 59, 61, 62, 100, 125):  # a bar state at each of these seconds into the stage
+                clock.t = 1000.0 + seconds
+                stage_progress(BarState("teacher", str(seconds), "200", seconds // 2, "00:01", "03:00", "1.00it/s"))
+            lines["summary"] = {"stage": "traces", "status": "ran", "metrics": {}}
+        stage_progress(BarState("teacher", "1", "200", 0, "00:01", None, "1.00it/s"))  # between stages: nothing
+    finally:
+        run_log.close()
+    console_lines = out.getvalue().splitlines()
+    assert "\r" not in out.getvalue() and "\x1b" not in out.getvalue()
+    assert console_lines[1] == "[3/11] traces 1:01 | teacher [" + "█" * 6 + "░" * 14 + "] 30% 61/200 1.00it/s ETA 03:00"
+    assert console_lines[2].startswith("[3/11] traces 2:05 | teacher") and "125/200" in console_lines[2]
+    assert len(console_lines) == 4 and console_lines[3].startswith("[3/11] traces ran in ")
+    assert "[3/11] traces 1:01 | teacher" in (tmp_path / "logs/t2.log").read_text()
+
+
+def test_repro_feeds_the_stage_bars_to_the_live_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """flows/dvc_stages.repro reads a stage's output as DVC streams it: every bar state reaches the live line."""
+    import subprocess
+    import sys
+
+    import flows.console as console
+    import flows.dvc_stages as dvc_stages
+
+    script = (
+        "import sys\nfrom tqdm import tqdm\nprint('2026-12-05 17:52:28,662 sft tasks.sft INFO starting', file=sys.stderr, flush=True)\n"
+        "for _ in tqdm(range(5), desc='sft', mininterval=0): pass\n"
+    )
+    real_popen = subprocess.Popen
+    monkeypatch.setattr(dvc_stages.subprocess, "Popen", lambda cmd, **kw: real_popen([sys.executable, "-c", script], **kw))
+    seen: list[console.BarState] = []
+    monkeypatch.setattr(dvc_stages, "stage_progress", seen.append)
+    dvc_stages.repro(tmp_path, "sft")
+    assert [(b.desc, b.n, b.total) for b in seen][-1] == ("sft", "5", "5")
+    assert {b.n for b in seen} >= {"0", "1", "2", "3", "4", "5"}
+
+
+def test_ticker_redraws_the_latest_state_and_stops_with_the_stage(tmp_path: Path) -> None:
+    """On a terminal an update within the redraw interval is drawn by the ticker, not lost."""
+    import threading
+
+    from flows.console import BarState, LiveProgress
+
+    class _Stream(io.StringIO):
+        def __init__(self) -> None:
+            super().__init__()
+            self.drawn = threading.Event()
+
+        def write(self, s: str) -> int:
+            if "2/2" in s:
+                self.drawn.set()
+            return super().write(s)
+
+    out = _Stream()
+    live = LiveProgress(out, tty=True, tick_s=0.01)
+    live.begin(8, 11, "cft")
+    live.update(BarState("cft", "1", "2", 50, "00:01", "00:01", "1.00it/s"))
+    live.update(BarState("cft", "2", "2", 100, "00:02", "00:00", "1.00it/s"))  # within REDRAW_EVERY_S of the first
+    assert out.drawn.wait(timeout=30), out.getvalue()
+    live.end()
+    assert live._ticker is None and out.getvalue().endswith("\r\x1b[K")
+    after = out.getvalue()
+    live.update(BarState("cft", "2", "2", 100, "00:02", "00:00", "1.00it/s"))  # between stages: nothing drawn
+    assert out.getvalue() == after

@@ -41,3 +41,60 @@ def test_version_description_names_model_stage_checkpoint_and_numbers(tmp_path: 
     after = version_description(spec, tmp_path, "abc.dir", EVAL)
     assert "Evaluation (test, n=2076): R@1 0.3372 [0.3170, 0.3570], R@1 - pre-rank order +0.0149 [+0.0058, +0.0246]" in after
     assert "valid permutations 0.9986" in after
+
+
+def test_registry_prints_go_to_the_log_file_not_the_quiet_console(tmp_path: Path, own_store: str) -> None:  # noqa: F811
+    """MLflow prints "Created version ..." straight to stderr; around registration it is logged instead."""
+    import io
+
+    import mlflow
+
+    from flows.console import setup_run_logging
+    from flows.registry import log as registry_log
+    from flows.registry import mlflow_prints_to_log
+
+    source = tmp_path / "model"  # a plain folder: registering it prints the same lines as a logged model
+    source.mkdir()
+    out = io.StringIO()
+    run_log = setup_run_logging(tmp_path, stream=out, run_name="reg")
+    try:
+        with mlflow_prints_to_log(registry_log):
+            mlflow.register_model(source.as_uri(), "m")
+            mlflow.register_model(source.as_uri(), "m")
+    finally:
+        run_log.close()
+    assert out.getvalue() == ""
+    log = (tmp_path / "logs/reg.log").read_text()
+    assert "Successfully registered model 'm'" in log and "Created version '2' of model 'm'" in log
+    assert "already exists" in log
+
+
+def test_stage_figures_are_logged_to_the_stage_run(tmp_path: Path, own_store: str) -> None:  # noqa: F811
+    """Training curves from the run's own step metrics; evaluate's ablation and speed figures; PNGs MLflow previews."""
+    import logging
+
+    import mlflow
+    from mlflow import MlflowClient
+    from test_report import EVALUATE, SPEED
+
+    from tasks.report import log_stage_figures
+
+    client = MlflowClient()
+    with mlflow.start_run(run_name="ar_rl") as run:
+        for step in range(1, 6):
+            mlflow.log_metrics({"reward_mean": 0.1 * step, "kept_groups": step, "sampled_groups": 8, "loss": 1.0 / step}, step=step)
+    log = logging.getLogger("test.figures")
+    assert log_stage_figures("ar_rl", {"reward_mean_last": 0.5}, client, run.info.run_id, tmp_path, log) == ["figures/ar_rl_training_curves.png"]
+    (tmp_path / "metrics").mkdir()
+    (tmp_path / "metrics/speed.json").write_text(json.dumps(SPEED))
+    with mlflow.start_run(run_name="evaluate") as ev:
+        pass
+    logged = log_stage_figures("evaluate", EVALUATE, client, ev.info.run_id, tmp_path, log)
+    assert logged == ["figures/evaluate_ablation_test.png", "figures/evaluate_speed_accuracy_batch1.png"]
+    for run_id, paths in ((run.info.run_id, ["figures/ar_rl_training_curves.png"]), (ev.info.run_id, logged)):
+        for path in paths:
+            png = Path(client.download_artifacts(run_id, path, str(tmp_path / run_id))).read_bytes()
+            assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
+    # A stage without figures logs nothing; a store that fails costs a warning, not the stage.
+    assert log_stage_figures("prepare", {"users": 3}, client, run.info.run_id, tmp_path, log) == []
+    assert log_stage_figures("ar_rl", {}, client, "no-such-run", tmp_path, log) == []

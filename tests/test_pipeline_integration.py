@@ -199,3 +199,60 @@ def test_registered_reranker_reranks(smoke_run: dict[str, Any], name: str) -> No
     out = model.predict(pd.DataFrame(row), params={"max_new_tokens": 64})
     assert sorted(out["ranking"][0]) == candidates  # a permutation, even when the raw answer is invalid
     assert isinstance(bool(out["valid"][0]), bool) and isinstance(out["response"][0], str)
+
+
+def test_stage_figures_on_their_runs_and_prefect_artifacts(smoke_run: dict[str, Any]) -> None:
+    """Each training stage's run holds its figures; each task run is named after its stage; the report is published."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey, TaskRunFilter, TaskRunFilterName
+
+    ws = smoke_run["ws"]
+    client = _mlflow(ws)
+    ran = {s["stage"]: s for s in smoke_run["first"]}
+    for stage in ("retrieve", "sft", "ar_rl", "cft", "opd", "rl"):
+        logged = sorted(a.path for a in client.list_artifacts(ran[stage]["run_id"], "figures"))
+        assert f"figures/{stage}_training_curves.png" in logged and logged == sorted(ran[stage]["figures"])
+    assert "figures/retrieve_full_ranking_test.png" in ran["retrieve"]["figures"]
+    assert {"figures/evaluate_ablation_test.png", "figures/evaluate_ablation_valid.png"} <= set(ran["evaluate"]["figures"])
+    assert ran["prepare"]["figures"] == []
+    stages = list(ran)
+    with get_client(sync_client=True) as prefect:
+        names = {t.name for t in prefect.read_task_runs(task_run_filter=TaskRunFilter(name=TaskRunFilterName(any_=stages)))}
+        assert set(stages) <= names
+        by_key = {}
+        for key in ("gr2-report", "gr2-report-html", "stage-ar-rl"):
+            found = prefect.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key])))
+            by_key[key] = found
+    report_md = [a.data for a in by_key["gr2-report"]]
+    assert any("| evaluate | ran |" in md and "### Ablation (test)" in md and str(ws / "reports/index.html") in md for md in report_md)
+    assert any((ws / "reports/index.html").as_uri() in str(a.data) for a in by_key["gr2-report-html"])
+    stage_md = [a.data for a in by_key["stage-ar-rl"]]
+    assert any(md.startswith("### ar_rl: ran in ") and "reward " in md for md in stage_md)
+    assert any(md.startswith("### ar_rl: skipped (up to date)") for md in stage_md)  # the second run's
+
+
+@pytest.mark.slow
+def test_gr2_run_console_as_a_user_sees_it(smoke_run: dict[str, Any], tmp_path: Path) -> None:
+    """`gr2 run` on a copy of the smoke workspace, console not a terminal: one start and one end line per stage,
+    no tool chatter, no live-line control codes; the stage's output and progress bars are in the log file."""
+    import os
+
+    from test_schedule import _copy_workspace
+
+    ws = _copy_workspace(smoke_run["ws"], tmp_path / "ws")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_"))}
+    env |= {"PREFECT_HOME": str(tmp_path / "prefect"), "OMP_NUM_THREADS": "1", "GR2_TRACKING": "on"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "flows.cli", "run", "--stage", "retrieve", "--force"], cwd=ws, env=env, capture_output=True, text=True, timeout=900
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    console = [line for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]
+    stage_lines = [line for line in console if line.startswith("[")]
+    assert [line.split(" ")[:2] for line in stage_lines] == [["[1/2]", "prepare"]] * 2 + [["[2/2]", "retrieve"]] * 2
+    assert stage_lines[0] == "[1/2] prepare ..." and stage_lines[1].startswith("[1/2] prepare ran in ")
+    assert stage_lines[3].startswith("[2/2] retrieve ran in ") and "R@10 " in stage_lines[3]
+    text = proc.stdout + proc.stderr
+    for chatter in ("httpx", "HTTP Request", "Registered model", "Created version", "%|", "\r", "\x1b["):
+        assert chatter not in text
+    log = next((ws / "logs").glob("*.log")).read_text()
+    assert "[retrieve]" in log and "%|" in log  # the stage's output and some of its bars

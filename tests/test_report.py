@@ -180,3 +180,23 @@ def test_evaluate_writes_the_report_and_never_fails_on_it(tmp_path: Path, monkey
     with caplog.at_level(logging.WARNING):
         write_html_report(root, EVALUATE, log, StageTracker(None))
     assert "reports/index.html not written (RuntimeError: no fonts)" in caplog.text
+
+
+def test_report_markdown_has_stage_headlines_ablation_parity_and_the_page(tmp_path: Path) -> None:
+    """The flow publishes this as its `gr2-report` artifact."""
+    from tasks.report import report_markdown
+
+    root = _workspace(tmp_path, evaluate=EVALUATE, speed=SPEED, retrieve=RETRIEVE)
+    summaries = [
+        {"stage": "retrieve", "status": "skipped", "seconds": 0.0, "metrics": RETRIEVE},
+        {"stage": "evaluate", "status": "ran", "seconds": 61.25, "metrics": EVALUATE},
+    ]
+    md = report_markdown(root, summaries)
+    assert "| retrieve | skipped (up to date) | 0.0 | R@10 0.0928, rerank R@1 0.3200 |" in md
+    assert "| evaluate | ran | 61.2 | gr2 valid perm 0.9800, gr2 R@1 0.3400, speed-up at parity 1.60x |" in md
+    assert "| prerank | 0.3000 | [0.2500, 0.3500] | 0.9800 | 50 |" in md and "| spec-dgr2 | 0.3400 |" in md
+    assert "| random |" not in md
+    assert "Speed-up at parity (batch 1): 1.60x (dgr2, tau 0.9)." in md
+    assert "No reports/index.html yet" in md
+    write_report(load_inputs(root, with_mlflow=False, with_registry=False))
+    assert f"file://{root.resolve() / REPORT_HTML}" in report_markdown(root, summaries)
