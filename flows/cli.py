@@ -67,6 +67,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     if root is None:
         return 2
     configure(root)
+    if args.launch is not None:
+        from tasks.common import LAUNCH_ENV
+
+        # The stages read it (tasks.common.stage_main); dvc.yaml's commands stay as they are.
+        os.environ[LAUNCH_ENV] = args.launch
     run_log = setup_run_logging(root, verbose=args.verbose)
     print(f"gr2 run in {root}; full log: {run_log.path}" + ("" if args.verbose else " (-v shows it here)"), flush=True)
     try:
@@ -348,6 +353,11 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="run the pipeline (Prefect flow over the DVC stages; MLflow tracking)")
     run.add_argument("--stage", action="append", help="run up to and including this stage (repeatable); default all")
     run.add_argument("--force", action="store_true", help="rerun stages even if DVC finds them up to date")
+    run.add_argument(
+        "--launch", default=None, metavar="CMD",
+        help='launcher of the multi-process stages, e.g. "accelerate launch --config_file configs/accelerate/1node-8gpu.yaml" '
+        "(default: $GR2_LAUNCH; empty: one process)",
+    )  # fmt: skip
     run.add_argument("-v", "--verbose", action="store_true", help="everything on the console too (default: one line per stage start and end; the rest in logs/<run>.log)")
     _root_after(run)
     run.set_defaults(fn=cmd_run)

@@ -117,10 +117,14 @@ def register_model(stage: str, root: str, summary: dict[str, Any]) -> dict[str, 
             logger.info("%s: checkpoint %s has no MLflow run in this store; not registering", spec.model_name, md5)
             return {"model": spec.model_name, "version": None, "created": False}
         run_id = found[0].info.run_id
+    # How the stage ran (launcher, processes, accelerate config: its own run's runtime.* tags) over
+    # this process's view (threads, versions): what `gr2 reproduce` reruns with.
+    launched = {k: v for k, v in MlflowClient().get_run(run_id).data.tags.items() if k.startswith("runtime.")}
     tags = {
         **git_lineage(rootp),
         **dvc_stages.lineage_tags(rootp, stage),
         **runtime_tags(),
+        **launched,
         "prefect.flow_run_id": str(flow_run.get_id() or ""),
     }
     # The evaluation numbers travel with the version so promotion can read them.
@@ -242,6 +246,9 @@ def pipeline(root: str = ".", stages: list[str] | None = None, force: bool = Fal
         last = max(order.index(s) for s in stages)
         order = order[: last + 1]
     logger.info("stages in DVC order: %s", " -> ".join(order))
+    # The stages read it themselves (tasks.common.stage_main); dvc.yaml's commands stay as they are.
+    launch = os.environ.get("GR2_LAUNCH", "").strip()
+    logger.info("multi-process stages run under %s", f"GR2_LAUNCH={launch!r}" if launch else "one process each (GR2_LAUNCH unset)")
 
     client = MlflowClient()
     # Runs left RUNNING by an earlier run of this workspace that died say so now.

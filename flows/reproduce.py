@@ -5,7 +5,8 @@
 What a version carries (set when it is registered, flows/pipeline.py):
 - tags `git.commit` and `git.dirty` (the code and params.yaml it was made from),
   `checkpoint_md5` (DVC's hash of its checkpoint), `dvc.dep.*` / `dvc.out.*`,
-  and `runtime.*` (thread count, CPU count, torch and Python versions);
+  and `runtime.*` (thread count, CPU count, torch and Python versions; the launcher
+  `runtime.launch`, `runtime.num_processes` and the accelerate config the stage ran with);
 - artifacts `lineage/dvc.lock` (the hashes of every stage's inputs and outputs at
   registration: the raw data snapshot, the code files, the params, each
   intermediate output) and `lineage/metrics/<stage>.json` (each stage's metrics).
@@ -340,7 +341,35 @@ def _rebuild_env(wt: Path, tags: dict[str, str], notes: list[str]) -> dict[str, 
         notes.append(f"built with torch's default thread count on {tags.get('runtime.cpu_count')} CPUs, rebuilt on {os.cpu_count()}: floating-point results may differ")
     if tags.get("runtime.torch") and tags["runtime.torch"] != pkg_version("torch"):
         notes.append(f"built with torch {tags['runtime.torch']}, rebuilt with {pkg_version('torch')}")
+    _rebuild_launch(env, tags, notes)
     return env
+
+
+def _rebuild_launch(env: dict[str, str], tags: dict[str, str], notes: list[str]) -> None:
+    """Rerun under the launcher the version's stage ran with (`runtime.launch`, tasks.common.stage_main).
+
+    The results do not depend on the process count by design (global batches, decoding
+    gathered in a fixed order), but floating-point sums do, to ~1e-6: the same launcher
+    is what makes bit-for-bit possible. A config file named in it is read from the
+    rebuilt commit's worktree (the rebuild's working folder).
+    """
+    from tasks.common import LAUNCH_ENV
+
+    launch = tags.get("runtime.launch")
+    mine = env.get(LAUNCH_ENV, "")
+    if launch is None:  # registered before launchers were recorded: one process
+        env.pop(LAUNCH_ENV, None)
+        return
+    if launch == "external":
+        notes.append(f"built under a launcher run by hand ({tags.get('runtime.num_processes', '?')} processes), rebuilt with {LAUNCH_ENV}={mine!r}")
+        return
+    wanted = "" if launch == "python" else launch
+    if wanted != mine:
+        notes.append(f"{LAUNCH_ENV}={wanted!r} as when it was built ({tags.get('runtime.num_processes', '?')} processes; here: {mine!r})")
+    if wanted:
+        env[LAUNCH_ENV] = wanted
+    else:
+        env.pop(LAUNCH_ENV, None)
 
 
 def reproduce(

@@ -10,6 +10,7 @@ embeddings are resized to our tokenizer (semantic-id and special tokens).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -51,6 +52,14 @@ class ARModelConfig:
 
     def __post_init__(self) -> None:
         if self.pretrained_path is not None:
+            # Checked before any work: from_pretrained would take a missing folder for a Hub
+            # repo id and fail later with a download error (or download, where it may).
+            folder = Path(self.pretrained_path)
+            if not (folder / "config.json").is_file():
+                what = "has no config.json" if folder.is_dir() else "does not exist"
+                raise FieldRangeError(
+                    "pretrained_path", f"{str(folder)!r} {what}: expected a local save_pretrained folder (model and tokenizer)"
+                )
             return  # the size fields are ignored
         for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size",
                      "max_position_embeddings"):

@@ -130,7 +130,8 @@ class CFTConfig:
     """Knobs of conversion fine-tuning.
 
     epochs: passes over the training examples.
-    batch_size: examples per optimizer step on each process; each example gives
+    batch_size: examples per optimizer step over all processes (the global batch,
+        `gr2model.sft.GlobalBatchShards`); each example gives
         two rows (a complementary mask pair), each of prompt + 2 x response tokens.
     lr, weight_decay: AdamW; linear warmup over `warmup_steps` optimizer steps,
         then a cosine decay to 0 (`gr2model.sft.warmup_cosine_factor`). The lr is

@@ -17,13 +17,21 @@ MARKER = "COMPLETE"
 STAGE_CONFIG = "stage_config.json"
 
 
-def save_hf_checkpoint(out_dir: Path, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, stage_config: dict[str, Any]) -> None:
+def save_hf_checkpoint(
+    out_dir: Path,
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    stage_config: dict[str, Any],
+    state_dict: dict[str, Any] | None = None,
+) -> None:
     """Write model, tokenizer and the stage config into `out_dir`, the marker last.
 
     The caller makes the folder atomic (write to a temporary name, then rename).
+    state_dict: the weights to write when the model's own are sharded between
+    processes (FSDP: gathered by the caller); None writes `model`'s.
     """
     out_dir.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out_dir)
+    model.save_pretrained(out_dir, state_dict=state_dict)
     tokenizer.save_pretrained(out_dir)
     (out_dir / STAGE_CONFIG).write_text(json.dumps(stage_config, indent=2, default=str))
     (out_dir / MARKER).write_text("ok\n")

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import polars as pl
+from accelerate import PartialState
+from accelerate.utils import gather_object
 from tqdm.auto import tqdm
 
 from gr2model.ar_decode import DecodeOutput, ar_generate
@@ -121,6 +123,7 @@ def lm_rerank(
     max_new_tokens: int = 320,
     decoder: Decoder = ar_generate,
     desc: str = "re-rank",
+    state: PartialState | None = None,
     **decode_kwargs,
 ) -> LMRerankResult:
     """Decode a response for every row (greedy unless decode_kwargs say otherwise) and parse it.
@@ -128,18 +131,33 @@ def lm_rerank(
     Rows are decoded in batches sorted by prompt length (less padding); results
     come back in the input order. An invalid answer falls back to the incoming
     order inside `parse_response` and is counted by the metrics.
+
+    state: with several processes (accelerate's PartialState of a launched run), the
+        batches are dealt round-robin to the processes (process r decodes batches r,
+        r + N, ...; the model must already be on `state.device`) and gathered back,
+        so every process returns the full result, `outputs` in batch order as on one
+        process, and every batch holds the same rows with the same padding as on one
+        process: the outputs do not depend on N. `seconds` then sums the decoding
+        time of all processes.
     """
     ids = special_ids(tok)
     prompts = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts_of(lists, items, fmt)]
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    batches = [order[start : start + batch_size] for start in range(0, len(order), batch_size)]
+    world, rank = (state.num_processes, state.process_index) if state is not None else (1, 0)
+    mine: list[tuple[int, DecodeOutput]] = []
+    for b in tqdm(range(rank, len(batches), world), desc=desc, leave=False, disable=rank != 0):
+        prompts_b = [prompts[i] for i in batches[b]]
+        mine.append((b, decoder(model, prompts_b, pad_id=ids["pad"], eos_id=ids["eos"], max_new_tokens=max_new_tokens, **decode_kwargs)))
+    # gather_object concatenates the processes' lists (process 0's first): sort back into batch order.
+    decoded = sorted(gather_object(mine), key=lambda t: t[0]) if world > 1 else mine
     texts: list[str] = [""] * len(prompts)
     sequences: list[list[int]] = [[] for _ in prompts]
     outputs: list[DecodeOutput] = []
     gen = nfe = 0
     seconds = 0.0
-    for start in tqdm(range(0, len(order), batch_size), desc=desc, leave=False):
-        idx = order[start : start + batch_size]
-        out = decoder(model, [prompts[i] for i in idx], pad_id=ids["pad"], eos_id=ids["eos"], max_new_tokens=max_new_tokens, **decode_kwargs)
+    for b, out in decoded:
+        idx = batches[b]
         for i, seq in zip(idx, out.sequences, strict=True):
             texts[i] = tok.decode(seq, skip_special_tokens=False)
             sequences[i] = list(seq)

@@ -32,7 +32,7 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
-from torch.utils.data import DataLoader
+from torch.utils.data import BatchSampler, DataLoader, RandomSampler
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
@@ -63,8 +63,9 @@ class SFTConfig:
     """Knobs of supervised fine-tuning.
 
     epochs: passes over the training examples.
-    batch_size: examples per optimizer step on each process (the global batch
-        is batch_size * number of processes).
+    batch_size: examples per optimizer step over all processes (the global
+        batch: N processes each train on about batch_size / N of them, so the
+        run takes the same steps whatever N; see `GlobalBatchShards`).
     lr, weight_decay: AdamW; the lr warms up linearly over `warmup_steps`
         optimizer steps, then decays to 0 on a cosine over the remaining steps.
     reasoning_weight: loss weight of the explanation tokens.
@@ -374,6 +375,55 @@ class LengthGroupedBatches:
             yield batches[b]
 
 
+class GlobalBatchShards:
+    """Batch sampler: each global batch of `batches`, cut into `num_processes` consecutive parts.
+
+    A loader prepared by accelerate deals its batches round-robin (process r gets
+    batches r, r + N, ...), so with this sampler process r trains on part r of
+    every global batch: one step of N processes sees exactly the examples of one
+    step of a single process, and `batch_size` in the params means the same run
+    whatever N (the lock file and the results do not depend on the launcher).
+    Part sizes differ by at most one; each must hold an example (a DDP step needs
+    a forward on every process), so a batch smaller than N is an error. With one
+    process the batches pass through unchanged.
+
+    There is deliberately no `batch_size` attribute: accelerate then treats the
+    parts as batches of varying size and never pads the epoch with repeated
+    examples (its `even_batches`), which a single process would not see.
+    """
+
+    def __init__(self, batches: BatchSampler | LengthGroupedBatches, num_processes: int) -> None:
+        self.batches = batches
+        self.num_processes = num_processes
+
+    def __len__(self) -> int:
+        return len(self.batches) * self.num_processes
+
+    def __iter__(self):
+        n = self.num_processes
+        for batch in self.batches:
+            if len(batch) < n:
+                raise ValueError(
+                    f"a batch of {len(batch)} examples cannot be split between {n} processes: "
+                    "choose batch_size (and the number of examples modulo batch_size) of at least the process count"
+                )
+            cuts = [len(batch) * r // n for r in range(n + 1)]
+            for r in range(n):
+                yield batch[cuts[r] : cuts[r + 1]]
+
+
+def check_global_batches(n_examples: int, batch_size: int, num_processes: int) -> None:
+    """ValueError, before any work, when a global batch (the last, partial one included) has fewer
+    examples than there are processes (`GlobalBatchShards` could not give each one a part)."""
+    last = n_examples % batch_size
+    if num_processes > 1 and (batch_size < num_processes or 0 < last < num_processes):
+        raise ValueError(
+            f"batch_size {batch_size} over {n_examples} examples leaves a batch of "
+            f"{min(batch_size, last or batch_size)} examples, fewer than the {num_processes} processes: "
+            "every process needs an example of every step; change batch_size or the number of examples"
+        )
+
+
 class _TrainPosition:
     """`run_train_loop`'s own resumable state (`gr2model.resume.Stateful`).
 
@@ -447,7 +497,8 @@ def run_train_loop(
 ) -> tuple[PreTrainedModel, list[dict[str, float]], int]:
     """The accelerate training loop shared by `train_sft` and `gr2model.cft.train_cft`.
 
-    Setup: a shuffled DataLoader of `dataset` (seeded by cfg.seed), AdamW, linear
+    Setup: a shuffled DataLoader of `dataset` (seeded by cfg.seed) in global batches of
+    cfg.batch_size, each process training on its part (`GlobalBatchShards`), AdamW, linear
     warmup then cosine decay (`warmup_cosine_factor`); model, optimizer and
     DataLoader go through `accelerator.prepare`. Per step: `loss_sums(model,
     batch, epoch)` gives (sum(w * nll) with grad, the 6 stats of `_loss_sums`,
@@ -474,22 +525,22 @@ def run_train_loop(
         (the trained model, unwrapped, in eval mode; the history of emitted
         metrics, empty off the main process; the number of optimizer steps).
     """
-    # A seeded generator makes the shuffle order a function of cfg.seed;
-    # accelerate syncs this generator's state across processes every epoch.
+    # A seeded generator makes the order of the global batches a function of cfg.seed
+    # only, the same on every process; GlobalBatchShards gives each process its part.
+    world = accelerator.num_processes
+    check_global_batches(len(dataset), cfg.batch_size, world)
     grouped: LengthGroupedBatches | None = None
     shuffle_gen: torch.Generator | None = None
     if lengths is not None:
         grouped = LengthGroupedBatches(lengths, cfg.batch_size, cfg.seed)
-        loader = DataLoader(dataset, batch_sampler=grouped, collate_fn=collate_fn)
+        batches: BatchSampler | LengthGroupedBatches = grouped
     else:
         shuffle_gen = torch.Generator().manual_seed(cfg.seed)
-        loader = DataLoader(
-            dataset,
-            batch_size=cfg.batch_size,
-            shuffle=True,
-            generator=shuffle_gen,
-            collate_fn=collate_fn,
-        )
+        # What DataLoader(shuffle=True, generator=shuffle_gen) builds, so one process draws the same order.
+        batches = BatchSampler(RandomSampler(dataset, generator=shuffle_gen), cfg.batch_size, drop_last=False)
+    # The loader gets the generator too: each new iterator draws its workers' base seed from it
+    # before the sampler shuffles, as the DataLoader(shuffle=True) this replaces did.
+    loader = DataLoader(dataset, batch_sampler=GlobalBatchShards(batches, world), collate_fn=collate_fn, generator=shuffle_gen)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     model.train()
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
@@ -523,7 +574,6 @@ def run_train_loop(
         resumed = checkpointer.restore() > 0
         checkpointer.replay(history, on_step)
 
-    world = accelerator.num_processes
     step = position.step
     bar = tqdm(total=total_steps, initial=step, desc=desc, disable=not accelerator.is_main_process)
     for epoch in range(position.epoch, cfg.epochs):

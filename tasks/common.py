@@ -11,12 +11,13 @@ import hashlib
 import json
 import logging
 import os
+import shlex
 import shutil
 import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
@@ -24,9 +25,11 @@ import yaml
 from pydantic import BaseModel, Field, ValidationError
 
 from gr2model.bounds import FieldRangeError
-from tasks.tracking import flatten
+from tasks.tracking import StageTracker, flatten
 
 if TYPE_CHECKING:  # torch and accelerate load only in the training stages, not in the gr2 CLI
+    from accelerate import PartialState
+
     from gr2model.resume import Checkpointer
 
 STAGES: tuple[str, ...] = (
@@ -187,15 +190,20 @@ class StageResume:
     once its outputs are written.
     """
 
-    def __init__(self, root: Path, stage: str, params: dict[str, Any], cfg: ResumeConfig, log: logging.Logger) -> None:
-        self.stage, self.cfg, self.log = stage, cfg, log
+    def __init__(
+        self, root: Path, stage: str, params: dict[str, Any], cfg: ResumeConfig, log: logging.Logger, *, main: bool = True
+    ) -> None:
+        self.stage, self.cfg, self.log, self.main = stage, cfg, log, main
         self.manifest = {"params": params, "inputs": stage_inputs(root, stage)}
         self.key = hashlib.sha256(json.dumps(self.manifest, sort_keys=True, default=str).encode()).hexdigest()[:16]
         self.stage_dir = root / RESUME_DIR / stage
         self.folder = self.stage_dir / self.key
         self.checkpointers: dict[str, Checkpointer] = {}
-        self._drop_other_keys()
-        write_json_atomic(self.manifest, self.folder / "manifest.json")
+        # Under several processes (main=False on the others) one process prunes and writes the
+        # shared folder; the others only read their key's states, which the pruning keeps.
+        if main:
+            self._drop_other_keys()
+            write_json_atomic(self.manifest, self.folder / "manifest.json")
 
     @property
     def enabled(self) -> bool:
@@ -243,8 +251,9 @@ class StageResume:
         return {name: c.resumed_from for name, c in self.checkpointers.items() if c.resumed_from is not None}
 
     def clear(self) -> None:
-        """Remove every saved state of the stage (its outputs are written)."""
-        shutil.rmtree(self.stage_dir, ignore_errors=True)
+        """Remove every saved state of the stage (its outputs are written); the main process's job."""
+        if self.main:
+            shutil.rmtree(self.stage_dir, ignore_errors=True)
 
 
 def write_text_atomic(text: str, path: Path) -> None:
@@ -288,6 +297,126 @@ def atomic_dir(final: Path) -> Iterator[Path]:
         raise
 
 
+LAUNCH_ENV = "GR2_LAUNCH"
+"""The environment variable naming the launcher of the distributed stages, e.g.
+`accelerate launch --config_file configs/accelerate/1node-8gpu.yaml` (unset or empty: plain `python`)."""
+LAUNCHED_ENV = "GR2_LAUNCHED"
+"""Set by a stage that re-executed itself under the launcher, so its processes run the stage
+instead of launching again."""
+
+
+def launcher() -> str:
+    """The launcher command of `GR2_LAUNCH`, stripped ("" when unset: the stage runs in this process)."""
+    return os.environ.get(LAUNCH_ENV, "").strip()
+
+
+def launched() -> bool:
+    """Whether this process is one of a launcher's (ours, or `accelerate launch`/`torchrun` run by hand)."""
+    return bool(os.environ.get(LAUNCHED_ENV)) or "WORLD_SIZE" in os.environ
+
+
+def launch_argv(stage: str, launch: str) -> list[str]:
+    """The command that runs `python -m tasks.<stage>` under `launch`.
+
+    `accelerate ...` and `torchrun ...` run as modules of this interpreter (the
+    project's venv, whatever PATH says); any other launcher is run as written.
+    Raises ParamsError when `launch` does not parse as a shell command.
+    """
+    try:
+        words = shlex.split(launch)
+    except ValueError as exc:
+        raise ParamsError(f"{LAUNCH_ENV}={launch!r}: not a command line: {exc}") from exc
+    modules = {"accelerate": "accelerate.commands.accelerate_cli", "torchrun": "torch.distributed.run"}
+    if words and words[0] in modules:
+        words = [sys.executable, "-m", modules[words[0]], *words[1:]]
+    return [*words, "-m", f"tasks.{stage}"]
+
+
+def process_state() -> PartialState:
+    """accelerate's view of this process (index, count, device), starting the process group under a launcher.
+
+    The same object the library's training loops get from `Accelerator()`, so the
+    stage and its loops agree on who is the main process.
+    """
+    import torch
+    from accelerate import PartialState
+
+    # Without a GPU accelerate starts a process group (gloo) only when asked for CPU
+    # processes; otherwise each process of a launcher would run alone as a world of one.
+    return PartialState(cpu=not torch.cuda.is_available())
+
+
+def requested_processes(launch: str) -> int | None:
+    """The process count a launcher command line asks for (`--num_processes N`,
+    `--nproc_per_node N`, ...), None when it does not say."""
+    names = ("--num_processes", "--num-processes", "--nproc_per_node", "--nproc-per-node")
+    words = shlex.split(launch) if launch else []
+    # "--flag=N" as two words, like "--flag N"
+    words = [part for word in words for part in (word.split("=", 1) if word.startswith(names) else [word])]
+    for flag, value in zip(words, words[1:]):
+        if flag in names and value.isdigit():
+            return int(value)
+    return None
+
+
+def is_main_process() -> bool:
+    """Whether this process writes the stage's outputs (always true without a launcher)."""
+    return process_state().is_main_process
+
+
+def full_state_dict(model: Any) -> dict[str, Any] | None:
+    """The whole state dict of a trained model that FSDP shards between the processes (None
+    when it is not sharded: one process or DDP, where `save_pretrained` reads the model).
+
+    Every process must call it (the gather is a collective); the main process then
+    writes it (`save_hf_checkpoint(state_dict=...)`).
+    """
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedType
+
+    if process_state().distributed_type != DistributedType.FSDP:
+        return None
+    return Accelerator().get_state_dict(model)
+
+
+def accelerate_config(launch: str) -> tuple[str, str] | None:
+    """(path, text) of the accelerate config file `launch` uses: its `--config_file`, else
+    accelerate's default config file when the launcher is `accelerate launch`; None without one."""
+    words = shlex.split(launch) if launch else []
+    path: str | None = None
+    for i, word in enumerate(words):
+        if word in ("--config_file", "--config-file") and i + 1 < len(words):
+            path = words[i + 1]
+        elif word.startswith(("--config_file=", "--config-file=")):
+            path = word.split("=", 1)[1]
+    if path is None and words[:1] == ["accelerate"]:
+        from accelerate.commands.config.config_args import default_config_file
+
+        path = default_config_file
+    if path is None or not Path(path).is_file():
+        return None
+    return path, Path(path).read_text()
+
+
+def runtime_launch_tags(state: PartialState) -> dict[str, str]:
+    """The MLflow tags of how the stage was launched: `runtime.launch` (GR2_LAUNCH, "python"
+    without one, "external" when run under a launcher by hand), `runtime.num_processes`,
+    `runtime.distributed_type`, `runtime.mixed_precision`, and the accelerate config file's
+    path and text (`runtime.accelerate_config_file`, `runtime.accelerate_config`) when there is one.
+    `gr2 reproduce` reruns with the recorded launcher (flows/reproduce.py)."""
+    launch = launcher()
+    tags = {
+        "runtime.launch": launch or ("external" if launched() else "python"),
+        "runtime.num_processes": str(state.num_processes),
+        "runtime.distributed_type": str(state.distributed_type.value),
+        "runtime.mixed_precision": os.environ.get("ACCELERATE_MIXED_PRECISION", "no"),
+    }
+    config = accelerate_config(launch)
+    if config is not None:
+        tags["runtime.accelerate_config_file"], tags["runtime.accelerate_config"] = config[0], config[1][:5000]
+    return tags
+
+
 def setup_logging(stage: str) -> logging.Logger:
     """Log to stderr with timestamps; DVC and the Prefect task stream it."""
     logging.basicConfig(
@@ -311,7 +440,13 @@ def timed(log: logging.Logger, what: str, into: dict[str, float] | None = None, 
 
 
 def stage_main(
-    stage: str, config_cls: type[C], run: Callable[..., dict[str, Any]], metrics_path: Path, *, resumable: bool = False
+    stage: str,
+    config_cls: type[C],
+    run: Callable[..., dict[str, Any]],
+    metrics_path: Path,
+    *,
+    resumable: bool = False,
+    distributed: bool = False,
 ) -> None:
     """The `main()` of every stage: typed params in, one MLflow run, `metrics/<stage>.json` out.
 
@@ -321,6 +456,16 @@ def stage_main(
     save their state as params.yaml `resume:` says and a rerun with the same params and
     inputs continues from the newest one; the states are removed once the metrics
     are written.
+
+    A `distributed` stage runs on every process of a launcher: with `GR2_LAUNCH` set
+    (and not already launched) this process replaces itself with
+    `$GR2_LAUNCH -m tasks.<stage>`, so `python -m tasks.<stage>`, the command in
+    dvc.yaml, stays the same whatever the launcher (dvc.lock does not change). Every
+    process runs `run` (the training loops and decoders share the work through
+    accelerate); only the main process opens the MLflow run, writes the metrics and
+    the outputs (`run` checks `is_main_process()` around its writes), and removes
+    the saved states. A stage that is not `distributed` ignores `GR2_LAUNCH` and
+    refuses to run on several processes.
     """
     from gr2model.data import DataError
     from tasks.tracking import stage_run
@@ -328,19 +473,50 @@ def stage_main(
     log = setup_logging(stage)
     try:
         cfg = load_stage_config(stage, config_cls)
+        if not launched() and launcher():
+            if distributed:
+                argv = launch_argv(stage, launcher())
+                log.info("launching %s: %s", stage, shlex.join(argv))
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os.execvpe(argv[0], argv, {**os.environ, LAUNCHED_ENV: "1"})
+            log.info("%s runs in one process: %s=%r does not apply to it", stage, LAUNCH_ENV, launcher())
+        if not distributed and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            raise ParamsError(
+                f"stage {stage} runs in one process, not under a launcher of {os.environ['WORLD_SIZE']} "
+                f"processes: run it with `python -m tasks.{stage}`"
+            )
+        state = process_state() if distributed else None
+        asked = requested_processes(launcher()) if state is not None else None
+        if state is not None and asked and asked > 1 and state.num_processes == 1:
+            # `accelerate launch --num_processes 2` alone runs one process (its simple launcher).
+            raise ParamsError(
+                f"{LAUNCH_ENV}={launcher()!r} asks for {asked} processes but {stage} runs in one: accelerate "
+                "starts several only with --multi_gpu (torchrun, also on CPUs) or a config file that says so"
+            )
+        main = state is None or state.is_main_process
+        if not main:  # the main process says it once
+            logging.getLogger().setLevel(logging.WARNING)
         root = Path.cwd()
         extra: dict[str, Any] = {}
         if resumable:
             # Read (and checked) before any work, like the stage's own params.
             rcfg = load_resume_config()
-            extra["resume"] = StageResume(root, stage, cfg.model_dump(mode="json"), rcfg, log)
-        with stage_run(stage, cfg.model_dump()) as tracker:
+            extra["resume"] = StageResume(root, stage, cfg.model_dump(mode="json"), rcfg, log, main=main)
+        with stage_run(stage, cfg.model_dump()) if main else nullcontext(StageTracker(None)) as tracker:
+            if state is not None:
+                tracker.set_tags(runtime_launch_tags(state))
+                if state.num_processes > 1:
+                    log.info("%s on %d processes (%s)", stage, state.num_processes, state.distributed_type.value)
             metrics = run(cfg, root, log, tracker, **extra)
-            write_json_atomic(metrics, root / metrics_path)
-            tracker.log_metrics(metrics)
+            if state is not None:
+                state.wait_for_everyone()  # every process is done with the saved states and the outputs
+            if main:
+                write_json_atomic(metrics, root / metrics_path)
+                tracker.log_metrics(metrics)
             if resumable:
                 resumed = extra["resume"].resumed()
-                if resumed:
+                if resumed and main:
                     tracker.set_tags({f"gr2.resumed_from_step.{name}": step for name, step in resumed.items()})
                     log.warning("%s finished after resuming (%s)", stage, ", ".join(f"{n} from step {s}" for n, s in resumed.items()))
                 extra["resume"].clear()

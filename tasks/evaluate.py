@@ -21,6 +21,10 @@ drafts, written to `metrics/speed.json` and `reports/speed.md` (also runnable
 alone: `gr2 bench decode`).
 
     python -m tasks.evaluate
+    accelerate launch --multi_gpu --num_processes N -m tasks.evaluate   # or GR2_LAUNCH=...
+
+Under N processes the accuracy rows' decoding is shared (`lm_rerank(state=)`) and
+gives the same answers as one process; the speed benchmark runs on the main process.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from typing import Any
 import numpy as np
 import polars as pl
 import torch
+from accelerate import PartialState
 
 from gr2model.bench import SPEED_FIELDS, decode_benchmark, equal_share, speculative_stats, speed_table
 from gr2model.block_diffusion import block_diffusion_settings, convert_to_block_diffusion
@@ -47,7 +52,7 @@ from gr2model.rerank_format import RERANK_METRIC_NAMES, ItemText, ParsedResponse
 from gr2model.ltr_teacher import LTRConfig, LTRTeacher
 from gr2model.teacher import ExpertTeacher
 from tasks.traces import load_format, load_lists
-from tasks.common import Cap, Count, Seed, StageConfig, Unit, stage_main, timed, write_json_atomic, write_text_atomic
+from tasks.common import Cap, Count, Seed, StageConfig, Unit, process_state, stage_main, timed, write_json_atomic, write_text_atomic
 from tasks.tracking import StageTracker
 
 STAGE = "evaluate"
@@ -230,12 +235,15 @@ def ablation_table(results: dict[str, dict[str, dict[str, Any]]], split: str) ->
 
 def _decode_eval(
     name: str, model: Any, tok: Any, df: pl.DataFrame, items: ItemText, fmt: Any, cfg: EvaluateConfig,
-    kwargs: dict[str, Any] | None = None,
+    kwargs: dict[str, Any] | None = None, state: PartialState | None = None,
 ) -> tuple[dict[str, float], np.ndarray, LMRerankResult]:
     """Decode one split with the model's decoder (AR or threshold diffusion; `kwargs` for another,
-    e.g. `speculative_kwargs`); its metrics, per-example ranks and the decode itself."""
+    e.g. `speculative_kwargs`); its metrics, per-example ranks and the decode itself.
+    With `state` of several processes, they share the batches (`lm_rerank`): the same answers."""
     kwargs = decoder_kwargs(model, cfg.tau, sub_block_size=cfg.sub_block_size) if kwargs is None else kwargs
-    out = lm_rerank(model, tok, df, items, fmt, batch_size=cfg.batch_size, max_new_tokens=cfg.max_new_tokens, desc=name, **kwargs)
+    out = lm_rerank(
+        model, tok, df, items, fmt, batch_size=cfg.batch_size, max_new_tokens=cfg.max_new_tokens, desc=name, state=state, **kwargs
+    )  # fmt: skip
     m, ranks = scored(out.parsed, df["target"].to_list())
     m["tokens_per_s"] = out.generated_tokens / max(out.seconds, 1e-9)
     m["response_tokens"] = out.generated_tokens / max(len(out.parsed), 1)
@@ -250,7 +258,7 @@ def pick_spec_drafter(names: Sequence[str], available: Iterable[str]) -> str | N
 
 def spec_eval(
     name: str, gr2: Any, drafter: Any, tok: Any, df: pl.DataFrame, items: ItemText, fmt: Any, cfg: EvaluateConfig,
-    reference: Sequence[Sequence[int]],
+    reference: Sequence[Sequence[int]], state: PartialState | None = None,
 ) -> tuple[dict[str, float], np.ndarray]:
     """The speculative row on one split: GR2 verifies `drafter`'s drafts (greedy, `cfg.bench.spec_draft_len`
     tokens per round in `cfg.bench.spec_steps` forwards); its metrics and per-example ranks.
@@ -261,7 +269,7 @@ def spec_eval(
     (`gr2model.bench.speculative_stats`), `draft_len` and `draft_steps`.
     """
     kwargs = speculative_kwargs(drafter, cfg.bench.spec_steps, cfg.bench.spec_draft_len)
-    m, ranks, out = _decode_eval(name, gr2, tok, df, items, fmt, cfg, kwargs)
+    m, ranks, out = _decode_eval(name, gr2, tok, df, items, fmt, cfg, kwargs, state)
     m["equal_to_gr2_rate"] = equal_share(out.sequences, reference)
     m.update(speculative_stats(out), draft_len=cfg.bench.spec_draft_len, draft_steps=cfg.bench.spec_steps)
     return m, ranks
@@ -305,8 +313,11 @@ def run_bench(cfg: EvaluateConfig, root: Path, log: logging.Logger, models: dict
     lists = rerank_examples(load_lists(root, "test")).head(cfg.bench.examples)
     gr2, tok = load_hf_checkpoint(root / GR2)
     models = models if models is not None else diffusion_models(root, cfg.naive_block_size)
-    racers = {name: models[name][0] for name in cfg.bench.models if name in models}
-    drafters = {name: models[name][0] for name in cfg.bench.spec_models if name in models}
+    # Every racer on the same device (the GPU when there is one), as the accuracy rows decode.
+    on = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    gr2 = gr2.to(on)
+    racers = {name: models[name][0].to(on) for name in cfg.bench.models if name in models}
+    drafters = {name: models[name][0].to(on) for name in cfg.bench.spec_models if name in models}
     log.info(
         "decode benchmark: %d test examples, AR (ours, HF) vs %s at tau %s, GR2 verifying the drafts of %s (k=%d, %d steps), batch sizes %s",
         lists.height, list(racers), cfg.bench.taus, list(drafters), cfg.bench.spec_draft_len, cfg.bench.spec_steps, cfg.bench.batch_sizes,
@@ -330,8 +341,14 @@ def run_bench(cfg: EvaluateConfig, root: Path, log: logging.Logger, models: dict
 
 
 def run(cfg: EvaluateConfig, root: Path, log: logging.Logger, tracker: StageTracker) -> dict[str, Any]:
-    """Evaluate every baseline and existing checkpoint, then the speed benchmark; returns `{model: {split: metrics}}`."""
+    """Evaluate every baseline and existing checkpoint, then the speed benchmark; returns `{model: {split: metrics}}`.
+
+    Under several processes they share every model's decoding (`lm_rerank(state=)`: the
+    same answers as one process); the main process alone computes the intervals,
+    writes the reports and runs the speed benchmark (timings of one device).
+    """
     torch.manual_seed(cfg.seed)
+    state = process_state()
     timings: dict[str, float] = {}
     ds, split = load_prepared(root / PREPARED)
     items = ItemText(ds.items)
@@ -361,7 +378,7 @@ def run(cfg: EvaluateConfig, root: Path, log: logging.Logger, tracker: StageTrac
         results[model_name], ranks[model_name] = {}, {}
         for name, df in on.items():
             with timed(log, f"{model_name} on {name} ({df.height} examples)", timings, f"{model_name}_{name}_s"):
-                results[model_name][name], ranks[model_name][name], out = _decode_eval(model_name, model, tok, df, items, fmt, cfg)
+                results[model_name][name], ranks[model_name][name], out = _decode_eval(model_name, model.to(state.device), tok, df, items, fmt, cfg, state=state)
             if model_name == "gr2":
                 gr2_tokens[name] = out.sequences
             m = results[model_name][name]
@@ -390,11 +407,14 @@ def run(cfg: EvaluateConfig, root: Path, log: logging.Logger, tracker: StageTrac
                 what = f"{spec_name} on {name} ({df.height} examples, GR2 verifying {drafter}'s drafts)"
                 with timed(log, what, timings, f"{spec_name}_{name}_s"):
                     results[spec_name][name], ranks[spec_name][name] = spec_eval(
-                        spec_name, gr2, models[drafter][0], gr2_tok, df, items, fmt, cfg, gr2_tokens[name][: df.height]
-                    )
+                        spec_name, gr2.to(state.device), models[drafter][0].to(state.device), gr2_tok, df, items, fmt, cfg,
+                        gr2_tokens[name][: df.height], state,
+                    )  # fmt: skip
                 m = results[spec_name][name]
                 log.info("%s %s: %s", spec_name, name, {k: round(v, 4) for k, v in m.items()})
             del gr2
+    if not state.is_main_process:  # its share of the decoding is done; the rest is the main process's
+        return results
 
     with timed(log, f"bootstrap intervals ({cfg.bootstrap} resamples, paired differences)", timings, "bootstrap_s"):
         add_intervals(results, ranks, n_boot=cfg.bootstrap, seed=cfg.seed)
@@ -435,7 +455,7 @@ def write_html_report(root: Path, results: dict[str, dict[str, dict[str, Any]]],
 
 
 def main() -> None:
-    stage_main(STAGE, CONFIG, run, METRICS)
+    stage_main(STAGE, CONFIG, run, METRICS, distributed=True)
 
 
 if __name__ == "__main__":

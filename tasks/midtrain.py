@@ -41,7 +41,7 @@ from gr2model.midtrain import (
 from gr2model.sft import SFTConfig, _loss_sums, collate_right_padded, run_train_loop
 from gr2model.teacher import TRACE_WORDS
 from gr2model.tokenizer import build_tokenizer, extend_pretrained_tokenizer, special_ids
-from tasks.common import Seed, StageConfig, StageResume, atomic_dir, stage_main, timed
+from tasks.common import Seed, StageConfig, StageResume, atomic_dir, full_state_dict, is_main_process, process_state, stage_main, timed
 from tasks.tracking import StageTracker
 from tasks.traces import load_format
 
@@ -141,16 +141,19 @@ def run(
             lengths=[len(e["input_ids"]) for e in encoded] if cfg.group_by_length else None,
             checkpointer=resume.checkpointer() if resume else None,
         )
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    model.to(device)
+    # Every process evaluates (the same work, in the same wall time as one): a model FSDP
+    # shards needs every process in each forward.
+    model.to(process_state().device)
     retrieval: dict[str, dict[str, float]] = {}
     for which in ("valid", "test"):
         with timed(log, f"next-item retrieval on {which}", timings, f"eval_{which}_s"):
             retrieval[which] = next_item_eval(model, tok, split, ds.items, which, cfg.eval, cfg.tasks.max_items)
         log.info("next-item %s: %s", which, {k: round(v, 4) for k, v in retrieval[which].items()})
-    model.to("cpu")
-    with atomic_dir(root / CHECKPOINT) as out:
-        save_hf_checkpoint(out, model, tok, {"stage": STAGE, **cfg.model_dump()})
+    weights = full_state_dict(model)  # gathered when FSDP shards them (every process takes part)
+    if is_main_process():  # every process holds the same weights (DDP); one writes them
+        model.to("cpu")
+        with atomic_dir(root / CHECKPOINT) as out:
+            save_hf_checkpoint(out, model, tok, {"stage": STAGE, **cfg.model_dump()}, weights)
 
     steps_metrics = [h for h in history if "loss" in h]
     tail = steps_metrics[-50:]  # one batch's loss is noisy: the mean of the last (up to) 50 steps
@@ -178,7 +181,7 @@ def run(
 
 
 def main() -> None:
-    stage_main(STAGE, CONFIG, run, METRICS, resumable=True)
+    stage_main(STAGE, CONFIG, run, METRICS, resumable=True, distributed=True)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ from gr2model.checkpoint import load_hf_checkpoint, read_stage_config, save_hf_c
 from gr2model.diffusion_rl import DiffusionRLConfig, train_diffusion_rl
 from gr2model.rewards import RewardConfig
 from tasks.ar_rl import first_last_summary, rewarded_prompts
-from tasks.common import Cap, NonNegative, Penalty, Seed, StageConfig, StageResume, atomic_dir, stage_main, timed
+from tasks.common import Cap, NonNegative, Penalty, Seed, StageConfig, StageResume, atomic_dir, full_state_dict, is_main_process, stage_main, timed
 from tasks.tracking import StageTracker
 
 STAGE = "rl"
@@ -60,8 +60,10 @@ def run(
             model, tok, prompts, reward_fn, rcfg, on_step=tracker.log_step,
             checkpointer=resume.checkpointer() if resume else None,
         )
-    with atomic_dir(root / CHECKPOINT) as out:
-        save_hf_checkpoint(out, result.model, tok, {"stage": STAGE, "from": str(START), "opd": read_stage_config(root / START), STAGE: cfg.model_dump()})
+    weights = full_state_dict(result.model)  # gathered when FSDP shards them (every process takes part)
+    if is_main_process():  # every process holds the same weights (DDP); one writes them
+        with atomic_dir(root / CHECKPOINT) as out:
+            save_hf_checkpoint(out, result.model, tok, {"stage": STAGE, "from": str(START), "opd": read_stage_config(root / START), STAGE: cfg.model_dump()}, weights)
     return {
         "steps": len(result.history),
         "prompts_available": len(prompts),
@@ -72,7 +74,7 @@ def run(
 
 
 def main() -> None:
-    stage_main(STAGE, CONFIG, run, METRICS, resumable=True)
+    stage_main(STAGE, CONFIG, run, METRICS, resumable=True, distributed=True)
 
 
 if __name__ == "__main__":

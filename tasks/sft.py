@@ -7,6 +7,9 @@ separately, and saves a `save_pretrained` checkpoint (model, tokenizer, stage
 config, marker last).
 
     python -m tasks.sft
+    accelerate launch --num_processes N -m tasks.sft   # or GR2_LAUNCH="accelerate launch ..." python -m tasks.sft
+
+`sft.train.batch_size` is the global batch: N processes take the same steps as one.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import torch
 from gr2model.ar_model import count_parameters
 from gr2model.checkpoint import load_hf_checkpoint, read_stage_config, save_hf_checkpoint
 from gr2model.sft import SFTConfig, train_sft
-from tasks.common import Cap, Fraction, Seed, StageConfig, StageResume, atomic_dir, stage_main, timed
+from tasks.common import Cap, Fraction, Seed, StageConfig, StageResume, atomic_dir, full_state_dict, is_main_process, stage_main, timed
 from tasks.tracking import StageTracker
 
 STAGE = "sft"
@@ -73,8 +76,10 @@ def run(
             model, tok, train, scfg, valid=valid or None, on_step=tracker.log_step,
             checkpointer=resume.checkpointer() if resume else None,
         )
-    with atomic_dir(root / CHECKPOINT) as out:
-        save_hf_checkpoint(out, result.model, tok, {"stage": STAGE, **cfg.model_dump(), "from": str(BASE), "midtrain": read_stage_config(root / BASE)})
+    weights = full_state_dict(result.model)  # gathered when FSDP shards them (every process takes part)
+    if is_main_process():  # every process holds the same weights (DDP); one writes them
+        with atomic_dir(root / CHECKPOINT) as out:
+            save_hf_checkpoint(out, result.model, tok, {"stage": STAGE, **cfg.model_dump(), "from": str(BASE), "midtrain": read_stage_config(root / BASE)}, weights)
     last = next((h for h in reversed(result.history) if "loss" in h), {})
     valid_losses = [h for h in result.history if any(k.startswith("valid") for k in h)]
     return {
@@ -91,7 +96,7 @@ def run(
 
 
 def main() -> None:
-    stage_main(STAGE, CONFIG, run, METRICS, resumable=True)
+    stage_main(STAGE, CONFIG, run, METRICS, resumable=True, distributed=True)
 
 
 if __name__ == "__main__":

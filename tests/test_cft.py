@@ -407,16 +407,16 @@ def _cft_worker(tok, examples: list[tuple[str, str]], valid: list[tuple[str, str
 
 
 def test_two_processes_equal_one_process_with_the_global_batch(tok, items, tmp_path: Path) -> None:
-    """DDP over 2 CPU processes with batch 4 each equals 1 process with batch 8: the
-    noise of an example depends on (seed, epoch, example) only, and the loss is
-    normalised by the global weight."""
-    examples = toy_examples(items)[:16]
-    valid = toy_examples(items)[16:21]
-    cfg = CFTConfig(epochs=2, batch_size=4, lr=1e-3, warmup_steps=2, block_size=2)
+    """DDP over 2 CPU processes equals 1 process at the same (global) batch_size, the
+    partial last batch included (18 examples: 8, 8, 2): the noise of an example depends
+    on (seed, epoch, example) only, and the loss is normalised by the global weight."""
+    examples = toy_examples(items)[:18]
+    valid = toy_examples(items)[18:23]
+    cfg = CFTConfig(epochs=2, batch_size=8, lr=1e-3, warmup_steps=2, block_size=2)
     debug_launcher(_cft_worker, args=(tok, examples, valid, cfg, tmp_path), num_processes=2)
     rank0, history = agreeing_ranks(tmp_path)
 
-    single = train_cft(toy_model(tok), tok, examples, CFTConfig(**{**cfg.__dict__, "batch_size": 8}), valid=valid)
+    single = train_cft(toy_model(tok), tok, examples, cfg, valid=valid)
     assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(rank0, single.model.parameters()))
     assert [sorted(h) for h in history] == [sorted(h) for h in single.history]
     for key in ("loss", "answer_loss", "valid_loss", "valid_reasoning_loss"):

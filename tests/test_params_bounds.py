@@ -302,7 +302,7 @@ def test_edges_of_each_range_validate(dotted: str) -> None:
         load_section(stage, with_value(stage, dotted, as_param(b, value)))
 
 
-def test_cross_field_rules_name_the_field() -> None:
+def test_cross_field_rules_name_the_field(tmp_path: Path) -> None:
     with pytest.raises(ParamsError, match=r"params\.yaml: midtrain\.model\.num_heads: .*does not divide hidden_size"):
         load_section("midtrain", with_value("midtrain", "midtrain.model.num_heads", 3))
     with pytest.raises(ParamsError, match=r"params\.yaml: midtrain\.model\.num_kv_heads: "):
@@ -319,8 +319,31 @@ def test_cross_field_rules_name_the_field() -> None:
         load_section("traces", rejection)
     # A pretrained model's size comes from its folder: the from-scratch sizes are not checked then.
     pretrained = with_value("midtrain", "midtrain.model.num_heads", 3)
-    pretrained["model"]["pretrained_path"] = "some/folder"
+    pretrained["model"]["pretrained_path"] = str(ROOT / "no/such/folder")
+    with pytest.raises(ParamsError, match=r"params\.yaml: midtrain\.model\.pretrained_path: .*no/such/folder' does not exist"):
+        load_section("midtrain", pretrained)
+    pretrained["model"]["pretrained_path"] = str(ROOT / "tests")  # a folder, but no save_pretrained one
+    with pytest.raises(ParamsError, match=r"midtrain\.model\.pretrained_path: .* has no config\.json"):
+        load_section("midtrain", pretrained)
+    (tmp_path / "config.json").write_text("{}")
+    pretrained["model"]["pretrained_path"] = str(tmp_path)
     load_section("midtrain", pretrained)
+
+
+def test_the_gpu_profile_validates_once_its_base_model_is_there(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """profiles/gpu.yaml names a local Qwen3 folder relative to the project root; with one there,
+    every stage's section validates (without it, midtrain's error names the folder)."""
+    from flows.workspace import profile_params
+
+    params = profile_params(ROOT, "gpu")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ParamsError, match="midtrain.model.pretrained_path: .* does not exist"):
+        load_section("midtrain", params["midtrain"])
+    folder = tmp_path / params["midtrain"]["model"]["pretrained_path"]
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text("{}")
+    for stage in STAGES:
+        load_section(stage, params[stage])
 
 
 @pytest.mark.parametrize("profile", [None, "smoke"])

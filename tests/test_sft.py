@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from accelerate import debug_launcher
+from torch.utils.data import DataLoader
+from accelerate import Accelerator, debug_launcher
 
 from gr2model.ar_decode import ar_generate
 from gr2model.rerank_format import (
@@ -19,9 +20,13 @@ from gr2model.rerank_format import (
 )
 from gr2model.sft import (
     IGNORE_INDEX,
+    GlobalBatchShards,
+    LengthGroupedBatches,
     SFTConfig,
+    check_global_batches,
     collate_right_padded,
     encode_example,
+    run_train_loop,
     train_sft,
     warmup_cosine_factor,
     weighted_lm_loss,
@@ -205,23 +210,66 @@ def _sft_worker(tok, examples: list[tuple[str, str]], valid: list[tuple[str, str
 
 
 def test_two_processes_equal_one_process_with_the_global_batch(tok, items, tmp_path: Path) -> None:
-    """DDP over 2 CPU processes with batch 4 each takes the same steps as 1 process with batch 8.
+    """DDP over 2 CPU processes takes the same steps as 1 process at the same (global) batch_size.
 
-    The prepared loader gives process r the batches r, r+2, ... of the same seeded
-    order, so a global step sees the same 8 examples; the loss is normalised by
+    Every process draws the same seeded order of global batches and trains on its
+    part of each (`GlobalBatchShards`), so a step sees the same examples, the last,
+    partial batch included (18 examples: batches of 8, 8, 2); the loss is normalised by
     the global weight, so the gradients agree too. (The processes get the tokenizer
     and texts from the parent: polars' thread pool does not survive a fork.)
     """
-    examples = toy_examples(items)[:16]
-    valid = toy_examples(items)[16:21]  # 5: the processes score 3 and 2 of them
-    cfg = SFTConfig(epochs=2, batch_size=4, lr=1e-3, warmup_steps=2)
+    examples = toy_examples(items)[:18]
+    valid = toy_examples(items)[18:23]  # 5: the processes score 3 and 2 of them
+    cfg = SFTConfig(epochs=2, batch_size=8, lr=1e-3, warmup_steps=2)
     debug_launcher(_sft_worker, args=(tok, examples, valid, cfg, tmp_path), num_processes=2)
     rank0, history = agreeing_ranks(tmp_path)
 
-    single_cfg = SFTConfig(epochs=2, batch_size=8, lr=1e-3, warmup_steps=2)
-    single = train_sft(toy_model(tok), tok, examples, single_cfg, valid=valid)
+    single = train_sft(toy_model(tok), tok, examples, cfg, valid=valid)
+    assert single.steps == 6  # 3 batches (8, 8, 2) per epoch: the partial batch is a step of both runs
     assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(rank0, single.model.parameters()))
     assert [sorted(h) for h in history] == [sorted(h) for h in single.history]
     for key in ("loss", "answer_loss", "valid_loss", "valid_reasoning_loss"):
         ours = [h[key] for h in history if key in h]
         assert ours and ours == pytest.approx([h[key] for h in single.history if key in h], abs=1e-5)
+
+
+def test_global_batch_shards_cut_every_global_batch_into_one_part_per_process() -> None:
+    """Process r of N takes every N-th part (accelerate's round-robin deal): together the parts of
+    a step are exactly one global batch, the partial last one included; one process: unchanged."""
+    def batches() -> LengthGroupedBatches:  # a fresh sampler: each pass over one reshuffles
+        return LengthGroupedBatches([3, 9, 1, 7, 5, 2, 8, 4, 6, 10, 11], batch_size=4, seed=1)
+
+    global_batches = list(batches())
+    assert sorted(len(b) for b in global_batches) == [3, 4, 4]  # one partial batch
+    parts = list(GlobalBatchShards(batches(), 3))
+    assert len(parts) == len(GlobalBatchShards(batches(), 3)) == 3 * len(global_batches)
+    assert [sum(parts[3 * i : 3 * i + 3], []) for i in range(len(global_batches))] == global_batches
+    assert all(max(map(len, parts[i : i + 3])) - min(map(len, parts[i : i + 3])) <= 1 for i in range(0, len(parts), 3))
+    assert list(GlobalBatchShards(batches(), 1)) == global_batches
+
+
+def test_a_batch_smaller_than_the_process_count_is_refused_before_any_work() -> None:
+    check_global_batches(18, 8, 2)  # 8, 8, 2: every process gets an example of every step
+    with pytest.raises(ValueError, match="batch of 1 examples, fewer than the 2 processes"):
+        check_global_batches(17, 8, 2)
+    with pytest.raises(ValueError, match="batch of 4 examples, fewer than the 8 processes"):
+        check_global_batches(64, 4, 8)
+    check_global_batches(17, 8, 1)
+
+
+def test_one_process_draws_the_batches_a_shuffled_dataloader_draws(tok) -> None:
+    """With one process the global batches are those of DataLoader(shuffle=True, generator
+    seeded by cfg.seed), epoch after epoch: what the loop drew before batches became global,
+    so single-process runs train exactly as they did."""
+    seen: list[list[int]] = []
+
+    def loss_sums(m, batch, epoch):
+        seen.append(batch.tolist())
+        zero = sum(p.sum() for p in m.parameters()) * 0.0  # a backward that changes nothing
+        return zero, torch.zeros(6), torch.tensor(len(batch))
+
+    cfg = SFTConfig(epochs=2, batch_size=4, seed=3, warmup_steps=0)
+    run_train_loop(toy_model(tok), list(range(10)), torch.tensor, loss_sums, cfg, accelerator=Accelerator())
+    loader = DataLoader(list(range(10)), batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(3), collate_fn=torch.tensor)
+    assert seen == [b.tolist() for _ in range(2) for b in loader]
+    assert sorted(sum(seen[:3], [])) == list(range(10))  # 4, 4, 2: every example once an epoch
