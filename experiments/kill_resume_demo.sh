@@ -19,4 +19,4 @@ sleep 0.5  # let it train a little past the first save
 echo "saved states before the kill:"; find ".gr2/resume/$stage" -maxdepth 3 -name "step-*" || true
 kill -9 -- "-$pid"
 sleep 2
-gr2 run --stage "$stage" | tee kill_demo_run2.out
+gr2 run --stage "$stage" 2>&1 | tee kill_demo_run2.out  # the console lines are on stderr
