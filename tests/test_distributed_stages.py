@@ -38,7 +38,7 @@ from tasks.common import launch_argv, requested_processes
 from tasks.trajectories import TrajectoriesConfig
 
 from test_resume_stage import sft_workspace
-from tiny import TOY, items_table, tiny_model, toy_examples, toy_items, toy_model, toy_tokenizer
+from tiny import TOY, items_table, tiny_model, toy_tokenizer, write_toy_stage_inputs
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMING = {"seconds", "train_s", "decode_s", "tokens_per_s"}
@@ -177,13 +177,7 @@ def test_accelerate_without_multi_gpu_is_an_error_not_one_silent_process(tmp_pat
 
 def cft_workspace(path: Path) -> Path:
     """What `tasks.cft` reads: trajectories (the toy task's 24 prompt/response pairs) and a GR2 checkpoint."""
-    tok, items = toy_tokenizer(), toy_items()
-    examples = toy_examples(items)
-    (path / "data/trajectories").mkdir(parents=True)
-    pl.DataFrame(
-        {"prompt": [p for p, _ in examples], "response": [r for _, r in examples], "valid_permutation": [True] * len(examples)}
-    ).write_parquet(path / "data/trajectories/train.parquet")
-    save_hf_checkpoint(path / "checkpoints/gr2", toy_model(tok), tok, {"stage": "ar_rl"})
+    write_toy_stage_inputs(path, "data/trajectories/train.parquet", "valid_permutation", "checkpoints/gr2", "ar_rl")
     params = {"seed": 0, "valid_fraction": 0.2, "train": {"epochs": 2, "batch_size": 6, "lr": 1e-3, "warmup_steps": 2, "block_size": 4}}
     (path / "params.yaml").write_text(yaml.safe_dump({"cft": params, "resume": {"every_steps": 0, "every_minutes": 0}}))
     return path

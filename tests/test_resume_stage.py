@@ -17,12 +17,11 @@ import polars as pl
 import pytest
 import yaml
 
-from gr2model.checkpoint import save_hf_checkpoint
 from gr2model.data import Dataset, leave_one_out, save_prepared
 from tasks.common import RESUME_DIR, ResumeConfig, StageResume
 
 from test_sasrec import N_ITEMS, random_sequences
-from tiny import toy_examples, toy_items, toy_model, toy_tokenizer
+from tiny import write_toy_stage_inputs
 
 ROOT = Path(__file__).resolve().parents[1]
 SFT_PARAMS = {
@@ -33,13 +32,7 @@ SFT_PARAMS = {
 
 def sft_workspace(path: Path) -> Path:
     """A workspace holding what `tasks.sft` reads: kept traces, a gr2-base checkpoint, params, dvc.yaml."""
-    tok, items = toy_tokenizer(), toy_items()
-    examples = toy_examples(items)
-    (path / "data/traces").mkdir(parents=True)
-    pl.DataFrame(
-        {"prompt": [p for p, _ in examples], "response": [r for _, r in examples], "kept": [True] * len(examples)}
-    ).write_parquet(path / "data/traces/train.parquet")
-    save_hf_checkpoint(path / "checkpoints/gr2-base", toy_model(tok), tok, {"stage": "midtrain"})
+    write_toy_stage_inputs(path, "data/traces/train.parquet", "kept", "checkpoints/gr2-base", "midtrain")
     (path / "params.yaml").write_text(
         yaml.safe_dump({"sft": SFT_PARAMS, "resume": {"every_steps": 2, "every_minutes": 0}})
     )

@@ -26,6 +26,7 @@ from accelerate import Accelerator
 from accelerate.state import AcceleratorState
 
 from gr2model.ar_model import ARModelConfig, build_ar_model
+from gr2model.checkpoint import save_hf_checkpoint
 from gr2model.rerank_format import FormatConfig, ItemText, build_prompt, build_response
 from gr2model.tokenizer import build_tokenizer, special_ids
 
@@ -130,6 +131,21 @@ def toy_examples(items: ItemText) -> list[tuple[str, str]]:
         (build_prompt([], c, items, fc), build_response(["because", "first"], list(reversed(c)), items))
         for c in TOY_CANDIDATES
     ]
+
+
+
+def write_toy_stage_inputs(root: Path, table: str, flag: str, checkpoint: str, made_by: str) -> None:
+    """What a stage that reads (prompt, response) pairs and a checkpoint needs, from the toy task:
+    its 24 pairs as `root/table` (parquet) with a True `flag` column ("kept" for traces,
+    "valid_permutation" for trajectories), and a toy model saved as `root/checkpoint`
+    whose stage_config says `made_by`."""
+    tok, items = toy_tokenizer(), toy_items()
+    examples = toy_examples(items)
+    (root / table).parent.mkdir(parents=True, exist_ok=True)
+    pl.DataFrame(
+        {"prompt": [p for p, _ in examples], "response": [r for _, r in examples], flag: [True] * len(examples)}
+    ).write_parquet(root / table)
+    save_hf_checkpoint(root / checkpoint, toy_model(tok), tok, {"stage": made_by})
 
 
 # ----------------------------------------------------------- two processes
