@@ -19,14 +19,14 @@ from typing import Any
 import polars as pl
 import torch
 
-from gr2model.checkpoint import load_hf_checkpoint, read_stage_config, save_hf_checkpoint
+from gr2model.checkpoint import load_hf_checkpoint, read_stage_config
 from gr2model.dapo import DAPOConfig, RewardFn, train_dapo
 from gr2model.data import load_prepared
 from gr2model.rerank_eval import prompts_of, rerank_examples
 from gr2model.rerank_format import FormatConfig, ItemText, parse_response
 from gr2model.rewards import RewardConfig, rerank_reward
 from tasks.traces import load_format, load_lists
-from tasks.common import Cap, NonNegative, Penalty, Seed, StageConfig, StageResume, atomic_dir, full_state_dict, is_main_process, stage_main, timed
+from tasks.common import Cap, NonNegative, Penalty, Seed, StageConfig, StageResume, save_stage_checkpoint, stage_main, timed
 from tasks.tracking import StageTracker
 
 STAGE = "ar_rl"
@@ -118,10 +118,7 @@ def run(
             model, tok, prompts, reward_fn, dcfg,
             on_step=tracker.log_step, checkpointer=resume.checkpointer() if resume else None,
         )
-    weights = full_state_dict(result.model)  # gathered when FSDP shards them (every process takes part)
-    if is_main_process():  # every process holds the same weights (DDP); one writes them
-        with atomic_dir(root / CHECKPOINT) as out:
-            save_hf_checkpoint(out, result.model, tok, {"stage": STAGE, "from": str(SFT_CHECKPOINT), "sft": read_stage_config(root / SFT_CHECKPOINT), STAGE: cfg.model_dump()}, weights)
+    save_stage_checkpoint(root / CHECKPOINT, result.model, tok, {"stage": STAGE, "from": str(SFT_CHECKPOINT), "sft": read_stage_config(root / SFT_CHECKPOINT), STAGE: cfg.model_dump()})
     return {
         "steps": len(result.history),
         "prompts_available": len(prompts),

@@ -28,8 +28,8 @@ import torch
 
 from gr2model.block_diffusion import convert_to_block_diffusion
 from gr2model.cft import CFTConfig, train_cft
-from gr2model.checkpoint import load_hf_checkpoint, read_stage_config, save_hf_checkpoint
-from tasks.common import Cap, Fraction, Seed, StageConfig, StageResume, atomic_dir, full_state_dict, is_main_process, stage_main, timed
+from gr2model.checkpoint import load_hf_checkpoint, read_stage_config
+from tasks.common import Cap, Fraction, Seed, StageConfig, StageResume, save_stage_checkpoint, stage_main, timed
 from tasks.tracking import StageTracker
 
 STAGE = "cft"
@@ -86,10 +86,7 @@ def run(
             checkpointer=resume.checkpointer() if resume else None,
         )
     lineage = read_stage_config(root / GR2)
-    weights = full_state_dict(result.model)  # gathered when FSDP shards them (every process takes part)
-    if is_main_process():  # every process holds the same weights (DDP); one writes them
-        with atomic_dir(root / CHECKPOINT) as out:
-            save_hf_checkpoint(out, result.model, tok, {"stage": STAGE, **cfg.model_dump(), "converted_from": lineage}, weights)
+    save_stage_checkpoint(root / CHECKPOINT, result.model, tok, {"stage": STAGE, **cfg.model_dump(), "converted_from": lineage})
     last = next((h for h in reversed(result.history) if "loss" in h), {})
     valid_losses = [h for h in result.history if any(k.startswith("valid") for k in h)]
     return {

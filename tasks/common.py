@@ -379,6 +379,22 @@ def full_state_dict(model: Any) -> dict[str, Any] | None:
     return Accelerator().get_state_dict(model)
 
 
+def save_stage_checkpoint(path: Path, model: Any, tok: Any, stage_config: dict[str, Any]) -> None:
+    """Write a trained model, its tokenizer and `stage_config` to the checkpoint folder `path`
+    (atomically), from the main process only.
+
+    Every process must call it: under FSDP the weights are first gathered from all of them
+    (`full_state_dict`, a collective); under DDP every process holds the same weights and
+    one writes them.
+    """
+    from gr2model.checkpoint import save_hf_checkpoint  # transformers: not at import (the gr2 CLI imports this module)
+
+    weights = full_state_dict(model)
+    if is_main_process():
+        with atomic_dir(path) as out:
+            save_hf_checkpoint(out, model, tok, stage_config, weights)
+
+
 def accelerate_config(launch: str) -> tuple[str, str] | None:
     """(path, text) of the accelerate config file `launch` uses: its `--config_file`, else
     accelerate's default config file when the launcher is `accelerate launch`; None without one."""

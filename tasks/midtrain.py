@@ -27,7 +27,6 @@ from accelerate import Accelerator
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from gr2model.ar_model import ARModelConfig, build_ar_model, count_parameters
-from gr2model.checkpoint import save_hf_checkpoint
 from gr2model.data import load_prepared
 from gr2model.midtrain import (
     MIDTRAIN_WORDS,
@@ -41,7 +40,7 @@ from gr2model.midtrain import (
 from gr2model.sft import SFTConfig, _loss_sums, collate_right_padded, run_train_loop
 from gr2model.teacher import TRACE_WORDS
 from gr2model.tokenizer import build_tokenizer, extend_pretrained_tokenizer, special_ids
-from tasks.common import Seed, StageConfig, StageResume, atomic_dir, full_state_dict, is_main_process, process_state, stage_main, timed
+from tasks.common import Seed, StageConfig, StageResume, process_state, save_stage_checkpoint, stage_main, timed
 from tasks.tracking import StageTracker
 from tasks.traces import load_format
 
@@ -149,11 +148,7 @@ def run(
         with timed(log, f"next-item retrieval on {which}", timings, f"eval_{which}_s"):
             retrieval[which] = next_item_eval(model, tok, split, ds.items, which, cfg.eval, cfg.tasks.max_items)
         log.info("next-item %s: %s", which, {k: round(v, 4) for k, v in retrieval[which].items()})
-    weights = full_state_dict(model)  # gathered when FSDP shards them (every process takes part)
-    if is_main_process():  # every process holds the same weights (DDP); one writes them
-        model.to("cpu")
-        with atomic_dir(root / CHECKPOINT) as out:
-            save_hf_checkpoint(out, model, tok, {"stage": STAGE, **cfg.model_dump()}, weights)
+    save_stage_checkpoint(root / CHECKPOINT, model, tok, {"stage": STAGE, **cfg.model_dump()})
 
     steps_metrics = [h for h in history if "loss" in h]
     tail = steps_metrics[-50:]  # one batch's loss is noisy: the mean of the last (up to) 50 steps

@@ -20,11 +20,11 @@ from typing import Any
 
 import torch
 
-from gr2model.checkpoint import load_hf_checkpoint, read_stage_config, save_hf_checkpoint
+from gr2model.checkpoint import load_hf_checkpoint, read_stage_config
 from gr2model.opd import OPDConfig, train_opd
 from gr2model.rewards import RewardConfig
 from tasks.ar_rl import first_last_summary, rewarded_prompts
-from tasks.common import Cap, Seed, StageConfig, StageResume, atomic_dir, full_state_dict, is_main_process, stage_main, timed
+from tasks.common import Cap, Seed, StageConfig, StageResume, save_stage_checkpoint, stage_main, timed
 from tasks.tracking import StageTracker
 
 STAGE = "opd"
@@ -60,10 +60,7 @@ def run(
             student, teacher, tok, prompts, ocfg, reward_fn=reward_fn, on_step=tracker.log_step,
             checkpointer=resume.checkpointer() if resume else None,
         )
-    weights = full_state_dict(result.model)  # gathered when FSDP shards them (every process takes part)
-    if is_main_process():  # every process holds the same weights (DDP); one writes them
-        with atomic_dir(root / CHECKPOINT) as out:
-            save_hf_checkpoint(out, result.model, tok, {"stage": STAGE, "from": str(STUDENT), "teacher": str(TEACHER), "cft": read_stage_config(root / STUDENT), STAGE: cfg.model_dump()}, weights)
+    save_stage_checkpoint(root / CHECKPOINT, result.model, tok, {"stage": STAGE, "from": str(STUDENT), "teacher": str(TEACHER), "cft": read_stage_config(root / STUDENT), STAGE: cfg.model_dump()})
     keys = sorted({k for h in result.history for k in h} & {"kl", "reward_mean", "format", "valid", "copy", "hit1", "tokens_per_forward"})
     return {
         "steps": len(result.history),

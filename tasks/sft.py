@@ -24,9 +24,9 @@ import polars as pl
 import torch
 
 from gr2model.ar_model import count_parameters
-from gr2model.checkpoint import load_hf_checkpoint, read_stage_config, save_hf_checkpoint
+from gr2model.checkpoint import load_hf_checkpoint, read_stage_config
 from gr2model.sft import SFTConfig, train_sft
-from tasks.common import Cap, Fraction, Seed, StageConfig, StageResume, atomic_dir, full_state_dict, is_main_process, stage_main, timed
+from tasks.common import Cap, Fraction, Seed, StageConfig, StageResume, save_stage_checkpoint, stage_main, timed
 from tasks.tracking import StageTracker
 
 STAGE = "sft"
@@ -76,10 +76,7 @@ def run(
             model, tok, train, scfg, valid=valid or None, on_step=tracker.log_step,
             checkpointer=resume.checkpointer() if resume else None,
         )
-    weights = full_state_dict(result.model)  # gathered when FSDP shards them (every process takes part)
-    if is_main_process():  # every process holds the same weights (DDP); one writes them
-        with atomic_dir(root / CHECKPOINT) as out:
-            save_hf_checkpoint(out, result.model, tok, {"stage": STAGE, **cfg.model_dump(), "from": str(BASE), "midtrain": read_stage_config(root / BASE)}, weights)
+    save_stage_checkpoint(root / CHECKPOINT, result.model, tok, {"stage": STAGE, **cfg.model_dump(), "from": str(BASE), "midtrain": read_stage_config(root / BASE)})
     last = next((h for h in reversed(result.history) if "loss" in h), {})
     valid_losses = [h for h in result.history if any(k.startswith("valid") for k in h)]
     return {
