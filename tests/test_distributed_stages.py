@@ -63,6 +63,16 @@ def run_stage(ws: Path, stage: str, processes: int) -> subprocess.CompletedProce
     return proc
 
 
+def run_on_one_and_two(one: Path, stage: str) -> Path:
+    """Copy workspace `one` to a sibling `two`, run `stage` in `one` on one process and in `two`
+    on two (checking that it really ran on two); returns `two`."""
+    two = one.parent / "two"
+    shutil.copytree(one, two)
+    run_stage(one, stage, 1)
+    assert f"{stage} on 2 processes (MULTI_CPU)" in run_stage(two, stage, 2).stderr
+    return two
+
+
 def results(metrics_file: Path) -> dict[str, float]:
     """The non-timing leaves of a stage's metrics file."""
 
@@ -83,11 +93,7 @@ def no_leftovers(ws: Path) -> None:
 
 def test_sft_stage_on_two_processes_equals_one_process(tmp_path: Path) -> None:
     one = sft_workspace(tmp_path / "one")
-    two = tmp_path / "two"
-    shutil.copytree(one, two)
-    run_stage(one, "sft", 1)
-    proc = run_stage(two, "sft", 2)
-    assert "sft on 2 processes (MULTI_CPU)" in proc.stderr  # it did run on two processes
+    two = run_on_one_and_two(one, "sft")
 
     a = load_file(one / "checkpoints/gr2-sft/model.safetensors")
     b = load_file(two / "checkpoints/gr2-sft/model.safetensors")
@@ -127,11 +133,7 @@ def trajectories_workspace(path: Path) -> Path:
 
 def test_trajectories_stage_on_two_processes_writes_the_same_bytes(tmp_path: Path) -> None:
     one = trajectories_workspace(tmp_path / "one")
-    two = tmp_path / "two"
-    shutil.copytree(one, two)
-    run_stage(one, "trajectories", 1)
-    proc = run_stage(two, "trajectories", 2)
-    assert "trajectories on 2 processes (MULTI_CPU)" in proc.stderr
+    two = run_on_one_and_two(one, "trajectories")
 
     table = pl.read_parquet(one / "data/trajectories/train.parquet")
     # 12 rows in batches of 3 (each process decodes two, interleaved by prompt length) with
@@ -187,10 +189,7 @@ def cft_workspace(path: Path) -> Path:
 def test_cft_stage_on_two_processes_equals_one_process(tmp_path: Path) -> None:
     """20 training trajectories in global batches of 6 (6, 6, 6, 2): the partial batch is split 1 + 1."""
     one = cft_workspace(tmp_path / "one")
-    two = tmp_path / "two"
-    shutil.copytree(one, two)
-    run_stage(one, "cft", 1)
-    assert "cft on 2 processes (MULTI_CPU)" in run_stage(two, "cft", 2).stderr
+    two = run_on_one_and_two(one, "cft")
     a = load_file(one / "checkpoints/dgr2-cft/model.safetensors")
     b = load_file(two / "checkpoints/dgr2-cft/model.safetensors")
     assert all(torch.allclose(a[k], b[k], rtol=0, atol=1e-5) for k in a), max((a[k] - b[k]).abs().max().item() for k in a)
