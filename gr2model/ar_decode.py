@@ -168,9 +168,38 @@ def _preallocated_cache(num_layers: int, max_len: int) -> Cache:
     return Cache(layers=[_PreallocatedLayer(max_len) for _ in range(num_layers)])
 
 
-def _pick(
-    logits: torch.Tensor, temperature: float, top_k: int, generator: torch.Generator | None
-) -> torch.Tensor:
+RowGenerators = torch.Generator | Sequence[torch.Generator] | None
+"""The random stream of a sampling decoder: one for the whole batch, or one per row."""
+
+
+def sample_rows(probs: torch.Tensor, generator: RowGenerators) -> torch.Tensor:
+    """One draw from every distribution in `probs` (N, ..., V), as (N, ...) long.
+
+    `generator` is None (the global stream), one stream for the whole batch, or a
+    sequence of N streams: row i then draws from `generator[i]` alone, one
+    `torch.multinomial` over its (..., V) distributions per call, so its samples do
+    not depend on which rows share its batch. The RL stages rely on this to sample
+    the same rollouts whatever the number of processes they run on.
+    """
+    if generator is None or isinstance(generator, torch.Generator):
+        flat = probs.reshape(-1, probs.shape[-1])
+        return torch.multinomial(flat, 1, generator=generator).view(probs.shape[:-1])
+    if len(generator) != probs.shape[0]:
+        raise ValueError(f"{len(generator)} generators for {probs.shape[0]} rows: give one per row")
+    return torch.stack(
+        [torch.multinomial(p.reshape(-1, p.shape[-1]), 1, generator=g).view(p.shape[:-1]) for p, g in zip(probs, generator)]
+    )
+
+
+def select_rows(generator: RowGenerators, keep: Sequence[int]) -> RowGenerators:
+    """The streams of the rows `keep` (indices into the batch) when there is one per
+    row; a shared stream (or None) as it is."""
+    if generator is None or isinstance(generator, torch.Generator):
+        return generator
+    return [generator[i] for i in keep]
+
+
+def _pick(logits: torch.Tensor, temperature: float, top_k: int, generator: RowGenerators) -> torch.Tensor:
     """Next token per row from (B, V) logits: argmax at temperature 0, else a sample.
 
     Sampling draws from softmax(logits / temperature), restricted to the top_k
@@ -183,8 +212,7 @@ def _pick(
     if 0 < top_k < scaled.shape[-1]:
         kth = torch.topk(scaled, top_k, dim=-1).values[:, -1:]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-    probs = torch.softmax(scaled, dim=-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return sample_rows(torch.softmax(scaled, dim=-1), generator)
 
 
 @torch.inference_mode()
@@ -197,7 +225,7 @@ def ar_generate(
     max_new_tokens: int,
     temperature: float = 0.0,
     top_k: int = 0,
-    generator: torch.Generator | None = None,
+    generator: RowGenerators = None,
     use_cache: bool = True,
     return_logprobs: bool = False,
 ) -> DecodeOutput:
@@ -217,7 +245,8 @@ def ar_generate(
             softmax(logits / temperature).
         top_k: when > 0, sample only among the k highest logits.
         generator: the random stream for sampling (on the model's device), for
-            reproducible samples.
+            reproducible samples; a sequence of B streams gives each row its own
+            (`sample_rows`): a row's tokens then do not depend on its batch.
         use_cache: False recomputes the whole sequence on every step (slow; the
             reference that the cached path is tested against).
         return_logprobs: also return, for every generated token, its
@@ -297,6 +326,7 @@ def ar_generate(
                 break
             # Drop finished rows from every per-row buffer and from the cache.
             rows, seq, keep, pos = rows[alive], seq[alive], keep[alive], pos[alive]
+            generator = select_rows(generator, alive.tolist())
             if cache is not None:
                 cache.batch_select_indices(alive)
             padded = not bool(keep[:, :prompt_len].all())

@@ -27,6 +27,7 @@ all-reduces, so several processes take the same step as one process would.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -322,9 +323,10 @@ class PolicyRun:
     `model` is the prepared module the optimizer trains (DDP-wrapped under several
     processes); `policy` is the same weights unwrapped, for decoding and no-grad
     forwards, whose number may differ between processes (a DDP forward may sync
-    buffers, a collective). The prompt stream has the same order on every process;
-    the sampling and shuffling generators are per process, so processes draw
-    independent noise.
+    buffers, a collective). The prompt stream and the shuffling generator have the
+    same state on every process. Rollouts draw their noise from `row_generators`,
+    one stream per sampled row seeded by where the row sits in the run, so the
+    samples do not depend on the number of processes (nor on a resume).
     """
 
     accelerator: Accelerator
@@ -332,8 +334,19 @@ class PolicyRun:
     optimizer: torch.optim.Optimizer
     policy: torch.nn.Module
     stream: _PromptStream
-    sample_gen: torch.Generator
     shuffle_gen: torch.Generator
+    seed: int = 0
+
+    def row_generators(self, keys: Sequence[tuple[int, int, int]], group_size: int) -> list[torch.Generator]:
+        """One sampling stream per rollout row (on the run's device), prompt-major: for each
+        prompt's key (step, round, slot: its position among the prompts drawn that round),
+        `group_size` streams seeded by (seed, step, round, slot, member)."""
+        gens = []
+        for step, rnd, slot in keys:
+            for member in range(group_size):
+                digest = hashlib.blake2b(f"{self.seed}/{step}/{rnd}/{slot}/{member}".encode(), digest_size=8).digest()
+                gens.append(torch.Generator(device=self.device).manual_seed(int.from_bytes(digest, "little") >> 1))
+        return gens
 
     @property
     def rank(self) -> int:
@@ -385,7 +398,7 @@ class PolicyRun:
 
 class _PolicyRunState:
     """A `PolicyRun`'s own resumable state (`gr2model.resume.Stateful`): the prompt
-    stream, the sampling and shuffling generators (per process) and the emitted history."""
+    stream, the shuffling generator and the emitted history."""
 
     def __init__(self, run: PolicyRun, history: list[dict[str, float]]) -> None:
         self.run, self.history = run, history
@@ -393,14 +406,12 @@ class _PolicyRunState:
     def state_dict(self) -> dict[str, Any]:
         return {
             "stream": self.run.stream.state_dict(),
-            "sample_gen": generator_state(self.run.sample_gen),
             "shuffle_gen": generator_state(self.run.shuffle_gen),
             "history": list(self.history),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.run.stream.load_state_dict(state["stream"])
-        set_generator_state(self.run.sample_gen, state["sample_gen"])
         set_generator_state(self.run.shuffle_gen, state["shuffle_gen"])
         self.history[:] = state["history"]
 
@@ -410,22 +421,22 @@ def start_policy_run(
 ) -> PolicyRun:
     """AdamW over `model`, both prepared by `accelerator`, the model in eval mode (dropout
     would make a ratio or a replay compare two different functions; gradients flow in
-    eval mode all the same), a seeded prompt stream over `n_prompts` and the
-    per-process generators (sampling's on the model's device)."""
+    eval mode all the same), a seeded prompt stream over `n_prompts` and the shuffling
+    generator (the same on every process)."""
     if n_prompts == 0:
         raise ValueError("no prompts")
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
     prepared, optimizer = accelerator.prepare(model, optimizer)
     prepared.eval()
-    rank = accelerator.process_index
     return PolicyRun(
         accelerator=accelerator,
         model=prepared,
         optimizer=optimizer,
         policy=accelerator.unwrap_model(prepared),
         stream=_PromptStream(n_prompts, seed),
-        sample_gen=torch.Generator(device=accelerator.device).manual_seed(seed * 1_000_003 + rank),
-        shuffle_gen=torch.Generator().manual_seed(seed * 1_000_003 + 7919 + rank),
+        # Shared: `shuffled_minibatches` shuffles the rollouts of all processes as one list.
+        shuffle_gen=torch.Generator().manual_seed(seed * 1_000_003 + 7919),
+        seed=seed,
     )
 
 
@@ -436,10 +447,14 @@ class _Rollout:
     reward: float
     advantage: float
     extra: Any = None  # what the sampler kept besides the completion (e.g. a diffusion trajectory)
+    # (round, slot, member): its place in the step's rollouts over all processes, in
+    # the order one process would hold them.
+    key: tuple[int, int, int] = (0, 0, 0)
 
 
-Sampler = Callable[[list[int]], list[tuple[list[int], Any]]]
-"""(prompt indices) -> for each prompt, G (completion, extra) pairs, prompt-major."""
+Sampler = Callable[[list[int], list[tuple[int, int, int]]], list[tuple[list[int], Any]]]
+"""(prompt indices, their keys (step, round, slot)) -> for each prompt, G (completion,
+extra) pairs, prompt-major; `PolicyRun.row_generators(keys, G)` gives the rows' streams."""
 
 
 @dataclass
@@ -461,6 +476,7 @@ def _sample_step(
     sample: Sampler,
     reward_fn: RewardFn,
     *,
+    step: int,
     prompts_per_step: int,
     group_size: int,
     max_resample_rounds: int,
@@ -474,8 +490,9 @@ def _sample_step(
     Dynamic sampling: all-equal groups are dropped and the shortfall of prompts
     is drawn again, up to `max_resample_rounds` extra rounds. Every process
     draws the same prompts (the stream is shared) and samples its slice
-    (rank::world); the number of kept groups is agreed by an all-reduce, so all
-    processes take the same number of rounds.
+    (rank::world), each prompt keyed by (step, round, slot); the number of kept
+    groups is agreed by an all-reduce, so all processes take the same number of
+    rounds.
     """
     G = group_size
     out = _StepSamples([], [], [], 0, {}, 0, 0, 0)
@@ -483,8 +500,9 @@ def _sample_step(
     while True:
         drawn = stream.take(to_draw)
         mine = drawn[rank::world]
+        slots = list(range(rank, len(drawn), world))
         if mine:
-            completions = sample(mine)
+            completions = sample(mine, [(step, out.rounds, slot) for slot in slots])
             rewards = torch.zeros((len(mine), G))
             for j, (seq, _) in enumerate(completions):
                 value, info = reward_fn(mine[j // G], list(seq))
@@ -500,7 +518,8 @@ def _sample_step(
             for g in keep.nonzero().flatten().tolist():
                 for j in range(G):
                     seq, extra = completions[g * G + j]
-                    out.kept.append(_Rollout(mine[g], seq, float(rewards[g, j]), float(adv[g, j]), extra))
+                    key = (out.rounds, slots[g], j)
+                    out.kept.append(_Rollout(mine[g], seq, float(rewards[g, j]), float(adv[g, j]), extra, key))
         # Every process must agree on whether to draw again.
         out.kept_groups = int(global_sum([len(out.kept) / G])[0])
         out.sampled_groups += len(drawn)
@@ -508,6 +527,32 @@ def _sample_step(
         if out.kept_groups >= prompts_per_step or out.rounds > max_resample_rounds:
             return out
         to_draw = prompts_per_step - out.kept_groups
+
+
+def shuffled_minibatches(
+    keys: Sequence[tuple[int, ...]], minibatch_size: int, shuffle_gen: torch.Generator, world: int
+) -> list[list[int]]:
+    """One pass's minibatches over the rollouts of all processes, as this process's share.
+
+    `keys` name this process's rollouts (distinct over all processes; sorted, they give
+    the order one process would hold them in). All keys are gathered and sorted,
+    shuffled with `shuffle_gen` (the same state on every process) and cut into
+    ceil(n / minibatch_size) minibatches as one process would; each process then gets,
+    per minibatch, the indices into `keys` of the members it holds (possibly none: the
+    list has the same length on every process, as DDP needs matching backwards). A
+    minibatch's gradient is the same sum whichever process holds a member, so a run
+    does not depend on the number of processes (up to the order of float sums).
+    A collective with several processes: every process must call it.
+    """
+    every = sorted(gather_object(list(keys))) if world > 1 else list(keys)
+    if not every:
+        return []
+    local = {k: i for i, k in enumerate(keys)}
+    order = torch.randperm(len(every), generator=shuffle_gen)
+    return [
+        [local[every[g]] for g in members.tolist() if every[g] in local]
+        for members in torch.tensor_split(order, math.ceil(len(every) / minibatch_size))
+    ]
 
 
 def _update_policy(
@@ -519,7 +564,6 @@ def _update_policy(
     logprobs: Callable[[torch.nn.Module, list[_Rollout]], tuple[torch.Tensor, torch.Tensor]],
     n_scored: Callable[[_Rollout], int],
     *,
-    n_kept_global: int,
     minibatch_size: int,
     inner_epochs: int,
     clip_low: float,
@@ -537,8 +581,6 @@ def _update_policy(
             tensor each, aligned with the columns of `logprobs`'s rows.
         logprobs: (model, rollouts) -> (logp (n, T), mask (n, T)) with gradients.
         n_scored: the number of scored tokens of a rollout (= its mask's sum).
-        n_kept_global: kept rollouts over all processes (sets the number of
-            minibatches, the same on every process: DDP needs matching backwards).
         split: optionally, (a minibatch's rollouts) -> parts (lists of their
             indices), one forward/backward each, gradients accumulated (the
             step is the same); None: the whole minibatch in one forward.
@@ -549,14 +591,8 @@ def _update_policy(
     world = accelerator.num_processes
     upd = {"loss": 0.0, "clip_fraction": 0.0, "ratio_mean": 0.0, "approx_kl": 0.0, "tokens": 0.0}
     grad_norms: list[float] = []
-    if n_kept_global == 0:
-        return upd, grad_norms
-    n_mb = math.ceil(n_kept_global / minibatch_size)
     for _ in range(inner_epochs):
-        order = torch.randperm(len(kept), generator=shuffle_gen)
-        # The same number of minibatches on every process, each holding this process's share.
-        for idx in torch.tensor_split(order, n_mb):
-            idx = idx.tolist()
+        for idx in shuffled_minibatches([r.key for r in kept], minibatch_size, shuffle_gen, world):
             n_tok_local = sum(n_scored(kept[i]) for i in idx)
             n_tok_global = global_sum([float(n_tok_local)])[0]
             if n_tok_global == 0:
@@ -666,7 +702,7 @@ def train_dapo(
 
     Each step:
     1. rollouts: draw prompts (seeded order), sample G completions each with
-       `ar_generate` (cfg.temperature, a seeded generator, the tokenizer's pad
+       `ar_generate` (cfg.temperature, a seeded stream per row, the tokenizer's pad
        and eos), score them with reward_fn, compute `group_advantages`; drop
        all-equal groups and draw the shortfall of prompts again, up to
        cfg.max_resample_rounds extra rounds;
@@ -709,11 +745,11 @@ def train_dapo(
     model, optimizer, policy, global_sum = run.model, run.optimizer, run.policy, run.global_sum
     G = cfg.group_size
 
-    def sample(mine: list[int]) -> list[tuple[list[int], Any]]:
+    def sample(mine: list[int], keys: list[tuple[int, int, int]]) -> list[tuple[list[int], Any]]:
         rows = [prompts[i] for i in mine for _ in range(G)]
         out = ar_generate(
             policy, rows, pad_id=pad_id, eos_id=eos_id, max_new_tokens=cfg.max_new_tokens,
-            temperature=cfg.temperature, generator=run.sample_gen,
+            temperature=cfg.temperature, generator=run.row_generators(keys, G),
         )
         return [(seq, None) for seq in out.sequences]
 
@@ -726,7 +762,7 @@ def train_dapo(
     for step in bar:
         t0 = time.perf_counter()
         samples = _sample_step(
-            run.stream, sample, reward_fn, prompts_per_step=cfg.prompts_per_step, group_size=G,
+            run.stream, sample, reward_fn, step=step, prompts_per_step=cfg.prompts_per_step, group_size=G,
             max_resample_rounds=cfg.max_resample_rounds, eos_id=eos_id, rank=run.rank, world=run.world,
             global_sum=global_sum,
         )
@@ -746,7 +782,7 @@ def train_dapo(
                     old += [lp[i, : len(r.completion)] for i, r in enumerate(chunk)]
         upd, grad_norms = _update_policy(
             model, optimizer, accelerator, kept, old, logprobs, lambda r: len(r.completion),
-            n_kept_global=samples.kept_groups * G, minibatch_size=cfg.minibatch_size, inner_epochs=cfg.inner_epochs,
+            minibatch_size=cfg.minibatch_size, inner_epochs=cfg.inner_epochs,
             clip_low=cfg.clip_low, clip_high=cfg.clip_high, grad_clip=cfg.grad_clip, shuffle_gen=run.shuffle_gen,
             pad_id=pad_id, global_sum=global_sum,
         )

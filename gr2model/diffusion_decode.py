@@ -118,7 +118,7 @@ import torch
 from transformers import PreTrainedModel
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from gr2model.ar_decode import DecodeOutput, _left_pad_positions, left_pad
+from gr2model.ar_decode import DecodeOutput, RowGenerators, _left_pad_positions, left_pad, sample_rows, select_rows
 from gr2model.block_diffusion import block_diffusion_mask
 
 __all__ = ["DiffusionDecodeOutput", "check_sub_block_size", "commit_mask", "propose", "diffusion_generate"]
@@ -184,7 +184,7 @@ def commit_mask(confidence: torch.Tensor, still_masked: torch.Tensor, threshold:
 
 
 def propose(
-    logits: torch.Tensor, temperature: float, generator: torch.Generator | None, banned_id: int | None = None
+    logits: torch.Tensor, temperature: float, generator: RowGenerators, banned_id: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A token and its confidence for every position, from (N, n, V) logits.
 
@@ -206,8 +206,7 @@ def propose(
         # max softmax probability = exp(max - logsumexp), without the full softmax.
         return tokens, torch.exp(best - torch.logsumexp(logits, dim=-1))
     probs = torch.softmax(logits / temperature, dim=-1)
-    flat = probs.reshape(-1, probs.shape[-1])
-    tokens = torch.multinomial(flat, 1, generator=generator).view(probs.shape[:-1])
+    tokens = sample_rows(probs, generator)
     return tokens, probs.gather(-1, tokens[..., None]).squeeze(-1)
 
 
@@ -526,7 +525,7 @@ def diffusion_generate(
     max_new_tokens: int,
     use_cache: bool = True,
     temperature: float = 0.0,
-    generator: torch.Generator | None = None,
+    generator: RowGenerators = None,
     return_trace: bool = False,
     return_logprobs: bool = False,
     sub_block_size: int | None = None,
@@ -554,7 +553,9 @@ def diffusion_generate(
         use_cache: False recomputes prompt + response on every step (slow; the
             reference for the cached path: same tokens, same NFE).
         temperature: 0 proposes the argmax; > 0 samples from
-            softmax(logits / temperature), using `generator`.
+            softmax(logits / temperature), using `generator`: one stream, or
+            one per row (`sample_rows`; a row draws once per forward it takes
+            part in, so its tokens do not depend on the rows beside it).
         return_trace: also return each token's commit step (`steps`) and the
             cut end of each row's last block (`tail_tokens`, `tail_steps`).
         return_logprobs: also return each committed token's log-probability
@@ -693,6 +694,7 @@ def diffusion_generate(
                 break
             alive = torch.tensor(alive_list, dtype=torch.long, device=device)
             resp, step_of, start, plen, rows = resp[alive], step_of[alive], start[alive], plen[alive], rows[alive]
+            generator = select_rows(generator, alive_list)
             if logp_of is not None:
                 logp_of = logp_of[alive]
             complete = complete[alive]

@@ -136,7 +136,7 @@ def train_diffusion_rl(
     Each step:
     1. rollouts: draw prompts (seeded order), decode G responses each with
        `diffusion_generate` (the model's block size and mask id, cfg.threshold,
-       cfg.temperature, a seeded generator, return_trace and return_logprobs),
+       cfg.temperature, a seeded stream per row, return_trace and return_logprobs),
        score them, compute `group_advantages`; drop all-equal groups and redraw,
        up to cfg.max_resample_rounds extra rounds (`gr2model.dapo`);
     2. old log-probs: the decoder's, or a no-grad replay (cfg.old_logprobs);
@@ -178,12 +178,13 @@ def train_diffusion_rl(
 
     decode_tally = [0.0, 0.0]  # this step's committed tokens, forwards that committed them
 
-    def sample(mine: list[int]) -> list[tuple[list[int], Any]]:
+    def sample(mine: list[int], keys: list[tuple[int, int, int]]) -> list[tuple[list[int], Any]]:
         rows = [prompts[i] for i in mine for _ in range(G)]
         out = diffusion_generate(
             policy, rows, pad_id=pad_id, eos_id=eos_id, mask_id=mask_id, block_size=block_size,
             threshold=cfg.threshold, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-            generator=run.sample_gen, return_trace=True, return_logprobs=True, sub_block_size=cfg.sub_block_size,
+            generator=run.row_generators(keys, G), return_trace=True, return_logprobs=True,
+            sub_block_size=cfg.sub_block_size,
         )
         trajs = trajectories_from_decode(rows, out)
         for t in trajs:
@@ -213,7 +214,7 @@ def train_diffusion_rl(
         t0 = time.perf_counter()
         decode_tally[:] = [0.0, 0.0]
         samples = _sample_step(
-            run.stream, sample, reward_fn, prompts_per_step=cfg.prompts_per_step, group_size=G,
+            run.stream, sample, reward_fn, step=step, prompts_per_step=cfg.prompts_per_step, group_size=G,
             max_resample_rounds=cfg.max_resample_rounds, eos_id=eos_id, rank=run.rank, world=run.world,
             global_sum=global_sum,
         )
@@ -235,7 +236,7 @@ def train_diffusion_rl(
                         old += [lp[i, : len(r.extra.tokens)] for i, r in enumerate(chunk)]
         upd, grad_norms = _update_policy(
             model, optimizer, accelerator, kept, old, logprobs, lambda r: r.extra.committed,
-            n_kept_global=samples.kept_groups * G, minibatch_size=cfg.minibatch_size, inner_epochs=cfg.inner_epochs,
+            minibatch_size=cfg.minibatch_size, inner_epochs=cfg.inner_epochs,
             clip_low=cfg.clip_low, clip_high=cfg.clip_high, grad_clip=cfg.grad_clip, shuffle_gen=run.shuffle_gen,
             pad_id=pad_id, global_sum=global_sum, split=split,
         )

@@ -88,7 +88,6 @@ full log-probs would not fit.
 from __future__ import annotations
 
 import contextlib
-import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -102,7 +101,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from gr2model.block_diffusion import decoding_ids
 from gr2model.bounds import check
 from gr2model.kl import KLKind, _kl_terms, token_kl
-from gr2model.dapo import RewardFn, _zero_grad_forward, response_logits, start_policy_run
+from gr2model.dapo import RewardFn, _zero_grad_forward, response_logits, shuffled_minibatches, start_policy_run
 from gr2model.diffusion_decode import check_sub_block_size, diffusion_generate
 from gr2model.diffusion_replay import (
     DEFAULT_MAX_COPIES,
@@ -385,7 +384,7 @@ def train_opd(
     1. rollouts: draw prompts (seeded order), decode `rollouts_per_prompt`
        responses each with `diffusion_generate` (the student's block size and
        mask id from its config, cfg.threshold, cfg.temperature, a seeded
-       generator, return_trace);
+       stream per row, return_trace);
     2. teacher: one causal forward per rollout over prompt + response
        (`teacher_targets`, no grad), kept for the step;
     3. update: cfg.inner_epochs passes over shuffled minibatches; per
@@ -434,7 +433,8 @@ def train_opd(
     for step in bar:
         # ---------------------------------------------------------- rollouts
         t0 = time.perf_counter()
-        mine = run.stream.take(cfg.prompts_per_step)[run.rank :: world]
+        drawn = run.stream.take(cfg.prompts_per_step)
+        mine, slots = drawn[run.rank :: world], list(range(run.rank, len(drawn), world))
         trajs: list[Trajectory] = []
         prompt_of: list[int] = []
         committed = forwards = 0  # per rollout: tokens committed, forwards that committed them
@@ -446,7 +446,8 @@ def train_opd(
             out = diffusion_generate(
                 policy, rows, pad_id=pad_id, eos_id=eos_id, mask_id=mask_id, block_size=block_size,
                 threshold=cfg.threshold, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-                generator=run.sample_gen, return_trace=True, sub_block_size=cfg.sub_block_size,
+                generator=run.row_generators([(step, 0, slot) for slot in slots], cfg.rollouts_per_prompt),
+                return_trace=True, sub_block_size=cfg.sub_block_size,
             )
             trajs = trajectories_from_decode(rows, out)
             committed = sum(t.committed for t in trajs)
@@ -474,15 +475,13 @@ def train_opd(
 
         # ------------------------------------------------------------ update
         t2 = time.perf_counter()
-        n_global = int(global_sum([float(len(trajs))])[0])
-        n_mb = math.ceil(n_global / cfg.minibatch_size)
+        # Each rollout keyed (prompt slot, member): the minibatches of one process (see `shuffled_minibatches`).
+        keys = [(slot, m) for slot in slots for m in range(cfg.rollouts_per_prompt)] if mine else []
         grad_norms: list[float] = []
         kl_sums = [[0.0, 0.0] for _ in range(cfg.inner_epochs)]  # per pass: KL sum, tokens
         replay = [0.0, 0.0, 0.0]  # canvases, rows, columns (first pass)
         for epoch in range(cfg.inner_epochs):
-            order = torch.randperm(len(trajs), generator=run.shuffle_gen)
-            for idx in torch.tensor_split(order, n_mb):
-                idx = idx.tolist()
+            for idx in shuffled_minibatches(keys, cfg.minibatch_size, run.shuffle_gen, world):
                 n_tok_local = sum(trajs[i].length for i in idx)
                 n_tok_global = global_sum([float(n_tok_local)])[0]
                 if n_tok_global == 0:

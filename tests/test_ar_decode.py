@@ -90,6 +90,24 @@ def test_sampling_is_reproducible(model, prompts) -> None:
     assert sample(7, use_cache=False).sequences == a.sequences
 
 
+def streams(seeds: list[int]) -> list[torch.Generator]:
+    return [torch.Generator().manual_seed(s) for s in seeds]
+
+
+def test_a_stream_per_row_makes_a_row_independent_of_its_batch(model, prompts) -> None:
+    """What the RL stages rely on to sample the same rollouts on any number of processes."""
+    kw = dict(pad_id=PAD, eos_id=EOS, max_new_tokens=16, temperature=1.0, top_k=10)
+    seeds = list(range(100, 100 + len(prompts)))
+    batched = ar_generate(model, prompts, generator=streams(seeds), **kw)
+    assert len({len(s) for s in batched.sequences}) > 1  # rows leave the batch at different steps
+    for i in range(len(prompts)):
+        assert ar_generate(model, [prompts[i]], generator=streams([seeds[i]]), **kw).sequences[0] == batched.sequences[i]
+    halves = ar_generate(model, prompts[1::2], generator=streams(seeds[1::2]), **kw).sequences
+    assert halves == batched.sequences[1::2]
+    with pytest.raises(ValueError, match="generators for"):
+        ar_generate(model, prompts, generator=streams(seeds[:-1]), **kw)
+
+
 def test_top_k_one_is_greedy(model, prompts) -> None:
     greedy = ar_generate(model, prompts, pad_id=PAD, eos_id=EOS, max_new_tokens=12)
     g = torch.Generator().manual_seed(0)

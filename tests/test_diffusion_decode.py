@@ -374,6 +374,21 @@ def test_sub_blocks_batch_equals_rows_alone(model, prompts, mask_id) -> None:
         assert alone.logprobs[0] == pytest.approx(batched.logprobs[i], abs=1e-5)
 
 
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_a_stream_per_row_makes_a_row_independent_of_its_batch(model, prompts, mask_id, use_cache) -> None:
+    """Sampled with one stream per row, a row commits the same tokens at the same steps
+    alone as in a batch whose other rows take more forwards (RL on several processes)."""
+    def streams(rows: list[int]) -> list[torch.Generator]:
+        return [torch.Generator().manual_seed(100 + i) for i in rows]
+
+    kw = dict(block_size=4, threshold=0.3, temperature=1.0, eos_id=EOS, sub_block_size=2, use_cache=use_cache)
+    batched = decode(model, prompts, mask_id, generator=streams(list(range(len(prompts)))), **kw)
+    assert len({max(s, default=-1) for s in batched.steps}) > 1  # rows take different numbers of forwards
+    for i, prompt in enumerate(prompts):
+        alone = decode(model, [prompt], mask_id, generator=streams([i]), **kw)
+        assert alone.sequences[0] == batched.sequences[i] and alone.steps[0] == batched.steps[i]
+
+
 @pytest.mark.parametrize("sub", [0, -2, 3, 16])
 def test_bad_sub_block_size(model, prompts, mask_id, sub) -> None:
     with pytest.raises(ValueError, match=f"block_size 8, got {sub}"):

@@ -9,7 +9,9 @@
   part of a global batch is padded to its own longest example) and every
   non-timing metric to 1e-5 relative;
 - `trajectories`: `data/trajectories/train.parquet` is byte-identical (each batch
-  holds the same rows with the same padding on either run, `lm_rerank(state=)`).
+  holds the same rows with the same padding on either run, `lm_rerank(state=)`);
+- `cft` and `ar_rl` (slow): weights to 1e-5 and metrics to 1e-5 relative, as `sft`
+  (`ar_rl`: per-row sampling streams and one shuffle over all processes' rollouts).
 
 Each launch takes ~15 s on a loaded 2-core machine (two interpreters, torchrun, gloo).
 """
@@ -217,22 +219,26 @@ def test_reproduce_reruns_with_the_recorded_launcher(monkeypatch: pytest.MonkeyP
 
 
 @pytest.mark.slow  # ~40 s
-def test_ar_rl_stage_runs_on_two_processes_and_one_writes(tmp_path: Path) -> None:
-    """DAPO under 2 processes: each samples its share of every step's prompts with its own
-    generator, so the run equals one process in distribution, not in numbers (see the
-    README); what holds exactly is the schedule (steps) and that one process writes."""
-    ws = trajectories_workspace(tmp_path / "ws")
-    shutil.copytree(ws / "checkpoints/gr2", ws / "checkpoints/gr2-sft")
-    shutil.rmtree(ws / "checkpoints/gr2")
+def test_ar_rl_stage_on_two_processes_equals_one_process(tmp_path: Path) -> None:
+    """DAPO under 2 processes: every rollout row samples from its own stream (seeded by
+    step, round, prompt slot and group member) and the kept rollouts of both processes are
+    shuffled into minibatches as one list, so the run equals one process: the same
+    rollouts, rewards and steps, weights to float-sum order."""
+    one = trajectories_workspace(tmp_path / "one")
+    shutil.copytree(one / "checkpoints/gr2", one / "checkpoints/gr2-sft")
+    shutil.rmtree(one / "checkpoints/gr2")
     train = {"steps": 3, "prompts_per_step": 4, "group_size": 4, "minibatch_size": 8, "max_new_tokens": 12, "lr": 1e-3}
-    (ws / "params.yaml").write_text(yaml.safe_dump({"ar_rl": {"max_prompts": 0, "train": train}, "resume": {"every_steps": 1, "every_minutes": 0}}))
-    proc = run_stage(ws, "ar_rl", 2)
-    assert "ar_rl on 2 processes (MULTI_CPU)" in proc.stderr
-    metrics = json.loads((ws / "metrics/ar_rl.json").read_text())
-    assert metrics["steps"] == 3 and metrics["prompts_available"] == 12
-    assert (ws / "checkpoints/gr2/COMPLETE").exists()
-    assert not (ws / ".gr2/resume/ar_rl").exists()  # states saved every step, removed by the main process
-    no_leftovers(ws)
+    (one / "params.yaml").write_text(yaml.safe_dump({"ar_rl": {"max_prompts": 0, "train": train}, "resume": {"every_steps": 1, "every_minutes": 0}}))
+    two = run_on_one_and_two(one, "ar_rl")
+    a = load_file(one / "checkpoints/gr2/model.safetensors")
+    b = load_file(two / "checkpoints/gr2/model.safetensors")
+    assert all(torch.allclose(a[k], b[k], rtol=0, atol=1e-5) for k in a), max((a[k] - b[k]).abs().max().item() for k in a)
+    ra, rb = results(one / "metrics/ar_rl.json"), results(two / "metrics/ar_rl.json")
+    assert ra["steps"] == rb["steps"] == 3 and rb["prompts_available"] == 12
+    assert rb == {k: pytest.approx(v, rel=1e-5, abs=1e-7) for k, v in ra.items()}
+    assert (two / "checkpoints/gr2/COMPLETE").exists()
+    assert not (two / ".gr2/resume/ar_rl").exists()  # states saved every step, removed by the main process
+    no_leftovers(two)
 
 
 @pytest.mark.slow  # the smoke pipeline (shared fixture) plus ~45 s

@@ -16,6 +16,7 @@ from gr2model.block_diffusion import convert_to_block_diffusion
 from gr2model.dapo import sequence_logprobs
 from gr2model.opd import (
     OPDConfig,
+    OPDResult,
     opd_loss,
     teacher_targets,
     teacher_topk,
@@ -24,7 +25,7 @@ from gr2model.opd import (
     train_opd,
 )
 
-from tiny import agreeing_ranks, one_item_tokenizer, random_prompts, tiny_model, two_process_worker
+from tiny import equals_one_process, one_item_tokenizer, random_prompts, tiny_model, two_process_worker
 
 
 @pytest.fixture(scope="module")
@@ -221,25 +222,26 @@ def test_train_opd_with_sub_blocks(tok) -> None:
     assert whole["tokens_per_forward"] > 2.0
 
 
+def _distil(tok, prompts: list[list[int]], cfg: OPDConfig, acc=None) -> OPDResult:
+    teacher = tiny_model(tok, seed=0, scale=0.3)
+    student = convert_to_block_diffusion(tiny_model(tok, seed=1), tok, 4)
+    return train_opd(student, teacher, tok, prompts, cfg, accelerator=acc)
+
+
 def _opd_worker(tok, prompts: list[list[int]], cfg: OPDConfig, out) -> None:
     """One of two processes (forked by debug_launcher): distil, save the weights."""
-
-    def train(acc):
-        teacher = tiny_model(tok, seed=0, scale=0.3)
-        student = convert_to_block_diffusion(tiny_model(tok, seed=1), tok, 4)
-        return train_opd(student, teacher, tok, prompts, cfg, accelerator=acc)
-
-    two_process_worker(out, train)
+    two_process_worker(out, lambda acc: _distil(tok, prompts, cfg, acc))
 
 
 def test_train_opd_on_two_processes(tok, tmp_path) -> None:
     """Two CPU processes under DDP with uneven shares (3 prompts per step: 2 and 1, and
     minibatches of 2 rollouts, so one process has an empty minibatch each step): no
-    deadlock, the replicas stay equal, the KL falls."""
+    deadlock, the replicas stay equal, the run equals one process, the KL falls."""
     cfg = OPDConfig(rollouts_per_prompt=2, prompts_per_step=3, steps=12, minibatch_size=2, lr=2e-3, threshold=0.5,
                     max_new_tokens=8)
-    debug_launcher(_opd_worker, args=(tok, random_prompts(tok, 16, seed=4), cfg, tmp_path), num_processes=2)
-    _, history = agreeing_ranks(tmp_path)
+    prompts = random_prompts(tok, 16, seed=4)
+    debug_launcher(_opd_worker, args=(tok, prompts, cfg, tmp_path), num_processes=2)
+    history = equals_one_process(tmp_path, _distil(tok, prompts, cfg))
     assert len(history) == 12
     assert sum(h["kl"] for h in history[-3:]) < sum(h["kl"] for h in history[:3])
 

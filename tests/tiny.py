@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import polars as pl
+import pytest
 import torch
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState
@@ -164,6 +165,21 @@ def two_process_worker(out: Path, train: Callable[[Accelerator], Any]) -> None:
     torch.save([p.detach() for p in result.model.parameters()], out / f"rank{acc.process_index}.pt")
     torch.save(result.history, out / f"history{acc.process_index}.pt")
     faulthandler.cancel_dump_traceback_later()
+
+
+def equals_one_process(out: Path, one: Any, atol: float = 1e-5) -> list[dict[str, float]]:
+    """Check that a two-process run (saved by `two_process_worker` under `out`) equals the
+    one-process result `one` (`.model`, `.history`): weights to `atol` (the processes sum
+    gradients and pad rows in another order) and every non-timing metric of every step
+    to 1e-5 relative. Returns the history."""
+    weights, history = agreeing_ranks(out)
+    ones = [p.detach() for p in one.model.parameters()]
+    assert max((a - b).abs().max().item() for a, b in zip(weights, ones)) <= atol
+    assert len(history) == len(one.history)
+    for mine, theirs in zip(history, one.history):
+        kept = {k: v for k, v in theirs.items() if not k.endswith("_s")}
+        assert {k: mine[k] for k in kept} == {k: pytest.approx(v, rel=1e-5, abs=1e-7) for k, v in kept.items()}
+    return history
 
 
 def agreeing_ranks(out: Path) -> tuple[list[torch.Tensor], list[dict[str, float]]]:
