@@ -81,6 +81,14 @@ def cmd_run(args: argparse.Namespace) -> int:
         # A failed stage's message ends with its last lines of output (flows/dvc_stages.repro).
         print(f"\npipeline failed: {exc}\n\nfull log: {run_log.path}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print(
+            "\ninterrupted: the running stage was stopped and its MLflow run marked KILLED. Stages that "
+            "finished are kept, and a stage with saved states resumes from the last one: run `gr2 run` "
+            f"again to go on.\n\nfull log: {run_log.path}",
+            file=sys.stderr,
+        )
+        return 130
     finally:
         run_log.close()
     for s in summaries:

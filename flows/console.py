@@ -226,9 +226,15 @@ def _clock(seconds: float) -> str:
     return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60}:{s % 60:02d}"
 
 
-def progress_text(position: int, total: int, stage: str, stage_seconds: float, bar: BarState | None) -> str:
-    """`[5/11] sft 1:23 | dapo [█████████░░░░░░░░░░░] 45% 45/100 4.50it/s ETA 00:12`"""
-    head = f"[{position}/{total}] {stage} {_clock(stage_seconds)}"
+def progress_text(
+    position: int, total: int, stage: str, stage_seconds: float, bar: BarState | None, last_s: float | None = None
+) -> str:
+    """`[5/11] sft 1:23 of ~32:10 | dapo [█████████░░░░░░░░░░░] 45% 45/100 4.50it/s ETA 00:12`
+
+    The bar's ETA is its own (a stage may run several bars in turn); `last_s`, the time
+    the stage took when it last ran here, gives the stage's whole length ("of ~32:10").
+    """
+    head = f"[{position}/{total}] {stage} {_clock(stage_seconds)}" + (f" of ~{_clock(last_s)}" if last_s else "")
     if bar is None:
         return head
     parts = [bar.desc] if bar.desc else []
@@ -270,15 +276,18 @@ class LiveProgress:
         self._stop = threading.Event()
         self._lock = threading.RLock()
         self._stage: tuple[int, int, str] | None = None
+        self._last_s: float | None = None
         self._started = 0.0
         self._last_print = 0.0
         self._last_draw = float("-inf")
         self._bar: BarState | None = None
         self._drawn = ""  # the text now on the terminal's last line ("" when none)
 
-    def begin(self, position: int, total: int, stage: str) -> None:
+    def begin(self, position: int, total: int, stage: str, last_s: float | None = None) -> None:
+        """A stage starts; `last_s`: how long it took when it last ran (None: unknown)."""
         with self._lock:
             self._stage = (position, total, stage)
+            self._last_s = last_s
             self._started = self._last_print = self.clock()
             self._bar = None
             if self.tty and self.tick_s and self._ticker is None:
@@ -309,7 +318,7 @@ class LiveProgress:
             if self._stage is None:
                 return ""
             position, total, stage = self._stage
-            return progress_text(position, total, stage, self.clock() - self._started, self._bar)
+            return progress_text(position, total, stage, self.clock() - self._started, self._bar, self._last_s)
 
     def update(self, bar: BarState) -> None:
         """A new state of the stage's bar: redraw (terminal) or print if a minute has passed (elsewhere)."""
@@ -404,7 +413,9 @@ def stage_lines(position: int, total: int, stage: str, root: Path) -> Iterator[d
     out: dict[str, Any] = {}
     live = _live
     if live is not None:
-        live.begin(position, total, stage)
+        # The stage's own time on its last run here (metrics/<stage>.json), as the scale of its whole length.
+        last = (read_json(root / "metrics" / f"{stage}.json") or {}).get("seconds")
+        live.begin(position, total, stage, float(last) if isinstance(last, (int, float)) and last > 0 else None)
     try:
         yield out
     except BaseException:

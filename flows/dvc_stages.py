@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -71,6 +72,35 @@ def repro(root: Path, stage: str, env: dict[str, str] | None = None, force: bool
     # (the project's venv) even when the venv is not activated.
     full_env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), full_env.get("PATH", "")])
     proc = subprocess.Popen(cmd, cwd=root, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+    try:
+        tail = _follow(proc, stage)
+    except KeyboardInterrupt:
+        _stop_interrupted(proc, stage)
+        raise
+    if proc.wait() != 0:
+        raise RuntimeError(f"stage '{stage}' failed (exit {proc.returncode}):\n" + "\n".join(tail))
+
+
+def _stop_interrupted(proc: subprocess.Popen, stage: str, wait_s: float = 30.0) -> None:
+    """After a Ctrl-C: let the stage end as interrupted (its resume states stay for the
+    next run), then make sure it is gone.
+
+    A terminal's Ctrl-C has reached DVC and the stage already (one process group); a
+    SIGINT sent to this process alone is passed on. A stage that has not exited within
+    `wait_s` is killed.
+    """
+    log.warning("[%s] interrupted: stopping the stage", stage)
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(timeout=wait_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def _follow(proc: subprocess.Popen, stage: str) -> list[str]:
+    """Pass the stage's output on until it ends (see `repro`); returns its last 20 lines."""
     tail: list[str] = []
     last_progress = 0.0
     assert proc.stdout is not None
@@ -94,8 +124,7 @@ def repro(root: Path, stage: str, env: dict[str, str] | None = None, force: bool
             log.warning("[%s] %s", stage, ours.group(1))
         else:
             log.info("[%s] %s", stage, line)
-    if proc.wait() != 0:
-        raise RuntimeError(f"stage '{stage}' failed (exit {proc.returncode}):\n" + "\n".join(tail))
+    return tail
 
 
 def lock_entry(root: Path, stage: str) -> dict[str, Any]:

@@ -42,11 +42,12 @@ def artifact_key(stage: str) -> str:
 def _stage_artifact(root: Path, summary: dict[str, Any]) -> None:
     """The stage's headline as a markdown artifact of its task run (the task run is named after the stage)."""
     stage = summary["stage"]
-    if summary["status"] == "ran":
-        lines = [f"### {stage}: ran in {summary['seconds']:.1f} s", "", stage_headline(root, stage, summary["metrics"]) or "(no headline metrics)", ""]
-        lines.append(f"MLflow run `{summary['run_id']}`" + (f"; figures: {', '.join(f'`{f}`' for f in summary['figures'])}" if summary.get("figures") else ""))
-    else:
-        lines = [f"### {stage}: skipped (up to date)", "", stage_headline(root, stage, summary["metrics"]) or "(no headline metrics)"]
+    ran = summary["status"] == "ran"
+    status = f"ran in {summary['seconds']:.1f} s" if ran else "skipped (up to date)"
+    lines = [f"### {stage}: {status}", "", stage_headline(root, stage, summary["metrics"]) or "(no headline metrics)"]
+    if ran:
+        figures = f"; figures: {', '.join(f'`{f}`' for f in summary['figures'])}" if summary.get("figures") else ""
+        lines += ["", f"MLflow run `{summary['run_id']}`{figures}"]
     create_markdown_artifact("\n".join(lines) + "\n", key=artifact_key(stage), description=f"stage {stage}: headline metrics")
 
 
@@ -79,8 +80,9 @@ def run_stage(stage: str, root: str, parent_run_id: str, force: bool = False) ->
     start = time.perf_counter()
     try:
         dvc_stages.repro(rootp, stage, env={"MLFLOW_RUN_ID": run_id, "GR2_ROOT": str(rootp)}, force=force)
-    except Exception:
-        client.set_terminated(run_id, "FAILED")
+    except BaseException as exc:
+        # A Ctrl-C is no failure of the stage (and Prefect does not retry it).
+        client.set_terminated(run_id, "KILLED" if isinstance(exc, KeyboardInterrupt) else "FAILED")
         raise
     seconds = round(time.perf_counter() - start, 1)
     for key, value in dvc_stages.lineage_tags(rootp, stage).items():
@@ -279,6 +281,9 @@ def pipeline(root: str = ".", stages: list[str] | None = None, force: bool = Fal
         # eval metrics, decode speed and params hash as tags, which promotion reads.
         record_evaluations_task(str(rootp))
         status = "FINISHED"
+    except KeyboardInterrupt:
+        status = "KILLED"
+        raise
     finally:
         client.set_terminated(parent_id, status)
         if summaries:

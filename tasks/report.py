@@ -201,6 +201,8 @@ def format_headline(items: Sequence[tuple[str, float | str]]) -> str:
             parts.append(f"{label} {int(value):,}")
         elif label.startswith("speed"):
             parts.append(f"{label} {value:.2f}x")
+        elif label.startswith("tokens/"):  # a count per forward, not a rate in [0, 1]
+            parts.append(f"{label} {value:.2f}")
         else:
             parts.append(f"{label} {value:.4f}")
     return ", ".join(parts)

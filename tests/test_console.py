@@ -178,6 +178,8 @@ def test_live_line_on_a_terminal_is_redrawn_in_place_around_log_lines(tmp_path: 
     from flows.console import BarState, stage_progress
 
     out = io.StringIO()
+    (tmp_path / "metrics").mkdir()
+    (tmp_path / "metrics/sft.json").write_text('{"seconds": 1930.4}')  # the last run of sft here
     run_log = setup_run_logging(tmp_path, stream=out, run_name="t1", live=True)
     clock = _Clock()
     console._live.clock = clock
@@ -192,7 +194,7 @@ def test_live_line_on_a_terminal_is_redrawn_in_place_around_log_lines(tmp_path: 
             lines["summary"] = {"stage": "sft", "status": "ran", "metrics": {}}
     finally:
         run_log.close()
-    live = "[5/11] sft 1:23 | dapo [" + "█" * 9 + "░" * 11 + "] 45% 45/100 4.50it/s ETA 00:12"
+    live = "[5/11] sft 1:23 of ~32:10 | dapo [" + "█" * 9 + "░" * 11 + "] 45% 45/100 4.50it/s ETA 00:12"
     text = out.getvalue()
     # drawn, wiped for the warning, drawn again below it, wiped before the end line
     assert text == (

@@ -264,3 +264,51 @@ def test_gr2_run_console_as_a_user_sees_it(smoke_run: dict[str, Any], tmp_path: 
         assert chatter not in text
     log = next((ws / "logs").glob("*.log")).read_text()
     assert "[retrieve]" in log and "%|" in log  # the stage's output and some of its bars
+
+
+def test_ctrl_c_stops_gr2_run_cleanly(smoke_run: dict[str, Any], tmp_path: Path) -> None:
+    """A Ctrl-C during a stage, as a terminal sends it (SIGINT to the whole process group):
+    the stage stops and is not retried, its MLflow run and the pipeline's end KILLED,
+    the console says how to go on without a traceback or Prefect's connection errors,
+    and no process of the command is left (the temporary API included)."""
+    import os
+    import signal
+    import time
+
+    from test_schedule import _copy_workspace
+
+    ws = _copy_workspace(smoke_run["ws"], tmp_path / "ws")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_"))}
+    env |= {"PREFECT_HOME": str(tmp_path / "prefect"), "OMP_NUM_THREADS": "1", "GR2_TRACKING": "on"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "flows.cli", "run", "--stage", "retrieve", "--force"], cwd=ws, env=env,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        # A terminal's foreground group, with Ctrl-C's default action (a background job ignores it).
+        start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )  # fmt: skip
+    try:
+        seen = []
+        for line in proc.stderr:
+            seen.append(line)
+            if line.startswith("[2/2] retrieve ..."):
+                break
+        assert seen and seen[-1].startswith("[2/2] retrieve"), "".join(seen)
+        time.sleep(2.0)  # the stage is training (the smoke retrieve takes ~7 s)
+        os.killpg(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    console = "".join(seen) + err + out
+    assert proc.returncode == 130, console[-3000:]
+    assert "[2/2] retrieve FAILED" in console and "interrupted: " in console and "gr2 run" in console
+    for noise in ("Traceback", "EventsWorker", "connection attempts failed", "retry"):
+        assert noise not in console, console[-3000:]
+    time.sleep(1.0)
+    with pytest.raises(ProcessLookupError):  # nothing of the command's session is left
+        os.killpg(proc.pid, 0)
+    client = _mlflow(ws)
+    runs = client.search_runs([client.get_experiment_by_name("diffusion-gr2").experiment_id], order_by=["attributes.start_time DESC"], max_results=3)
+    by_name = {r.info.run_name: r.info.status for r in runs}
+    assert by_name.get("retrieve") == "KILLED" and by_name.get("pipeline") == "KILLED", by_name

@@ -146,6 +146,7 @@ def test_curves_from_history_and_signal_share() -> None:
 def test_headlines() -> None:
     assert format_headline(headline_metrics("retrieve", RETRIEVE)) == "R@10 0.0928, rerank R@1 0.3200"
     assert format_headline(headline_metrics("prepare", PREPARE)) == "users 22,363, items 12,101"
+    assert format_headline(headline_metrics("opd", {"kl_last": 0.93561, "tokens_per_forward_last": 2.2237})) == "KL 0.9356, tokens/forward 2.22"
     ev = headline_metrics("evaluate", EVALUATE, SPEED)
     assert format_headline(ev) == "gr2 valid perm 0.9800, gr2 R@1 0.3400, speed-up at parity 1.60x"
     assert headline_metrics("sft", None) == []
