@@ -266,6 +266,7 @@ def test_gr2_run_console_as_a_user_sees_it(smoke_run: dict[str, Any], tmp_path: 
     assert "[retrieve]" in log and "%|" in log  # the stage's output and some of its bars
 
 
+@pytest.mark.slow  # ~35 s on the smoke fixture (a Prefect API of its own, prepare, part of retrieve)
 def test_ctrl_c_stops_gr2_run_cleanly(smoke_run: dict[str, Any], tmp_path: Path) -> None:
     """A Ctrl-C during a stage, as a terminal sends it (SIGINT to the whole process group):
     the stage stops and is not retried, its MLflow run and the pipeline's end KILLED,
