@@ -107,26 +107,16 @@ def _watch(server_pid: int) -> subprocess.Popen:
     )  # fmt: skip
 
 
-def _server_deaf_to_ctrl_c(base: type) -> type:
-    """`base` (Prefect's SubprocessASGIServer) whose server process never receives SIGINT.
-
-    A Ctrl-C goes to the terminal's whole foreground process group, the server
-    included: it would die before the flow has recorded how the run ended, and the
-    client would print a screen of connection errors. SIGINT is blocked while the
-    server process is created, and a blocked signal stays blocked across exec
-    (uvicorn's handlers never see it). The server is stopped with SIGTERM
-    (`server.stop()`, the watchdog), which stays open.
-    """
-
-    class DeafToCtrlC(base):  # type: ignore[misc, valid-type]
-        def _run_uvicorn_command(self) -> subprocess.Popen:
-            before = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-            try:
-                return super()._run_uvicorn_command()
-            finally:
-                signal.pthread_sigmask(signal.SIG_SETMASK, before)
-
-    return DeafToCtrlC
+@contextmanager
+def _sigint_blocked() -> Iterator[None]:
+    """SIGINT held back in this thread for the body (a Ctrl-C meanwhile arrives when it
+    ends). A process started in the body inherits the block, and a blocked signal stays
+    blocked across exec: such a process never receives SIGINT."""
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
 
 
 def _drain_api_logs(logger: logging.Logger) -> None:
@@ -157,8 +147,13 @@ def temporary_api(root: Path, logger: logging.Logger | None = None) -> Iterator[
     if PREFECT_API_URL.value():
         yield None
         return
-    server = _server_deaf_to_ctrl_c(SubprocessASGIServer)()
-    server.start()
+    server = SubprocessASGIServer()
+    # A Ctrl-C goes to the terminal's whole foreground process group: the server would
+    # die before the flow has recorded how the run ended, and the client would print a
+    # screen of connection errors. So the server never gets SIGINT; it is stopped with
+    # SIGTERM (`server.stop()`, the watchdog).
+    with _sigint_blocked():
+        server.start()
     proc = server.server_process
     if proc is None:  # started and stopped by someone else already; nothing to guard
         yield server.api_url
