@@ -75,6 +75,19 @@ def run_on_one_and_two(one: Path, stage: str) -> Path:
     return two
 
 
+def same_weights_and_metrics(one: Path, two: Path, checkpoint: str, stage: str, abs_tol: float = 1e-12) -> tuple[dict, dict]:
+    """Assert that workspaces `one` and `two` hold the same `checkpoint` (every weight within
+    1e-5) and the same `metrics/<stage>.json` (every non-timing number within 1e-5 relative,
+    or `abs_tol`); returns both metrics (`results`)."""
+    a = load_file(one / checkpoint / "model.safetensors")
+    b = load_file(two / checkpoint / "model.safetensors")
+    assert a.keys() == b.keys()
+    assert all(torch.allclose(a[k], b[k], rtol=0, atol=1e-5) for k in a), max((a[k] - b[k]).abs().max().item() for k in a)
+    ra, rb = results(one / f"metrics/{stage}.json"), results(two / f"metrics/{stage}.json")
+    assert rb == {k: pytest.approx(v, rel=1e-5, abs=abs_tol) for k, v in ra.items()}
+    return ra, rb
+
+
 def results(metrics_file: Path) -> dict[str, float]:
     """The non-timing leaves of a stage's metrics file."""
 
@@ -96,14 +109,8 @@ def no_leftovers(ws: Path) -> None:
 def test_sft_stage_on_two_processes_equals_one_process(tmp_path: Path) -> None:
     one = sft_workspace(tmp_path / "one")
     two = run_on_one_and_two(one, "sft")
-
-    a = load_file(one / "checkpoints/gr2-sft/model.safetensors")
-    b = load_file(two / "checkpoints/gr2-sft/model.safetensors")
-    assert a.keys() == b.keys()
-    assert all(torch.allclose(a[k], b[k], rtol=0, atol=1e-5) for k in a), max((a[k] - b[k]).abs().max().item() for k in a)
-    ra, rb = results(one / "metrics/sft.json"), results(two / "metrics/sft.json")
+    ra, rb = same_weights_and_metrics(one, two, "checkpoints/gr2-sft", "sft")
     assert ra.keys() == rb.keys() and ra["steps"] == rb["steps"] == 15  # 20 traces in batches of 4 (global), 3 epochs
-    assert rb == {k: pytest.approx(v, rel=1e-5) for k, v in ra.items()}
     assert not (two / ".gr2/resume/sft").exists()  # the main process removed the saved states
     no_leftovers(two)
 
@@ -192,12 +199,8 @@ def test_cft_stage_on_two_processes_equals_one_process(tmp_path: Path) -> None:
     """20 training trajectories in global batches of 6 (6, 6, 6, 2): the partial batch is split 1 + 1."""
     one = cft_workspace(tmp_path / "one")
     two = run_on_one_and_two(one, "cft")
-    a = load_file(one / "checkpoints/dgr2-cft/model.safetensors")
-    b = load_file(two / "checkpoints/dgr2-cft/model.safetensors")
-    assert all(torch.allclose(a[k], b[k], rtol=0, atol=1e-5) for k in a), max((a[k] - b[k]).abs().max().item() for k in a)
-    ra, rb = results(one / "metrics/cft.json"), results(two / "metrics/cft.json")
+    ra, rb = same_weights_and_metrics(one, two, "checkpoints/dgr2-cft", "cft")
     assert ra["steps"] == rb["steps"] == 8
-    assert rb == {k: pytest.approx(v, rel=1e-5) for k, v in ra.items()}
     no_leftovers(two)
 
 
@@ -230,12 +233,8 @@ def test_ar_rl_stage_on_two_processes_equals_one_process(tmp_path: Path) -> None
     train = {"steps": 3, "prompts_per_step": 4, "group_size": 4, "minibatch_size": 8, "max_new_tokens": 12, "lr": 1e-3}
     (one / "params.yaml").write_text(yaml.safe_dump({"ar_rl": {"max_prompts": 0, "train": train}, "resume": {"every_steps": 1, "every_minutes": 0}}))
     two = run_on_one_and_two(one, "ar_rl")
-    a = load_file(one / "checkpoints/gr2/model.safetensors")
-    b = load_file(two / "checkpoints/gr2/model.safetensors")
-    assert all(torch.allclose(a[k], b[k], rtol=0, atol=1e-5) for k in a), max((a[k] - b[k]).abs().max().item() for k in a)
-    ra, rb = results(one / "metrics/ar_rl.json"), results(two / "metrics/ar_rl.json")
+    ra, rb = same_weights_and_metrics(one, two, "checkpoints/gr2", "ar_rl", abs_tol=1e-7)
     assert ra["steps"] == rb["steps"] == 3 and rb["prompts_available"] == 12
-    assert rb == {k: pytest.approx(v, rel=1e-5, abs=1e-7) for k, v in ra.items()}
     assert (two / "checkpoints/gr2/COMPLETE").exists()
     assert not (two / ".gr2/resume/ar_rl").exists()  # states saved every step, removed by the main process
     no_leftovers(two)
