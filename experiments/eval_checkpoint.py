@@ -9,6 +9,7 @@ checkpoint without running the stages that `evaluate` waits for.
 
     python experiments/eval_checkpoint.py --root WORKSPACE checkpoints/gr2-sft checkpoints/gr2
     python experiments/eval_checkpoint.py --root WORKSPACE --splits test --max-examples 300 --sub-block-size 8 checkpoints/dgr2-cft
+    python experiments/eval_checkpoint.py --root WORKSPACE --constrained --explanation-tau 0.5 checkpoints/gr2 checkpoints/dgr2
 
 `--max-examples N` scores the first N examples of each split only: a quick
 look while tuning, not a result (evaluate scores every example).
@@ -45,6 +46,8 @@ def main() -> None:
     p.add_argument("--tau", type=float, default=0.9, help="commit threshold of a block-diffusion checkpoint")
     p.add_argument("--sub-block-size", type=int, default=None, help="its sub-block size (default: the whole block)")
     p.add_argument("--max-examples", type=int, default=0, help="first N examples per split (0: all)")
+    p.add_argument("--constrained", action="store_true", help="decode under the answer grammar (gr2model.constrained)")
+    p.add_argument("--explanation-tau", type=float, default=None, help="a diffusion checkpoint's threshold after the answer (needs --constrained)")
     a = p.parse_args()
     fmt = load_format(a.root)
     ds, _ = load_prepared(a.root / "data/prepared")
@@ -65,13 +68,16 @@ def main() -> None:
             t0 = time.perf_counter()
             result = lm_rerank(
                 model, tok, df, items, fmt, batch_size=a.batch_size, max_new_tokens=a.max_new_tokens,
-                **decoder_kwargs(model, a.tau, sub_block_size=a.sub_block_size),
+                constrained=a.constrained,
+                **decoder_kwargs(model, a.tau, sub_block_size=a.sub_block_size, explanation_threshold=a.explanation_tau),
             )
             results[ckpt][split], ranks[ckpt][split] = scored(result.parsed, df["target"].to_list())
             seconds[split] = round(time.perf_counter() - t0, 1)
             # Per row, as the benchmark's: a batch forward serves each of its rows.
             row_forwards = sum(o.nfe * len(o.sequences) for o in result.outputs)
             results[ckpt][split]["tokens_per_forward"] = result.generated_tokens / max(row_forwards, 1)
+            if a.constrained:
+                results[ckpt][split]["grammar_changed_rate"] = sum(sum(o.constrained or []) for o in result.outputs) / max(len(result.parsed), 1)
         add_intervals(results, ranks, n_boot=2000, seed=0)  # evaluate's intervals: paired differences to prerank
         for split in lists:
             print(json.dumps({"checkpoint": ckpt, "split": split, **results[ckpt][split], "seconds": seconds[split]}), flush=True)

@@ -47,6 +47,8 @@ import torch
 from transformers import GenerationConfig, PreTrainedModel
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from gr2model.constrained import ResponseGrammar, check_grammar, constrained_proposals
+
 
 @dataclass
 class DecodeOutput:
@@ -63,6 +65,9 @@ class DecodeOutput:
             log p(token | prefix) under the model's raw distribution
             (log_softmax of the unscaled logits over the full vocabulary,
             temperature 1, no top-k), whatever temperature and top_k sampled it.
+        constrained: with a `grammar` (`gr2model.constrained`), per row whether
+            the grammar changed its answer: one of its tokens was not the
+            model's unconstrained choice at the step that committed it.
     """
 
     sequences: list[list[int]]
@@ -70,6 +75,7 @@ class DecodeOutput:
     generated_tokens: int
     seconds: float
     logprobs: list[list[float]] | None = None
+    constrained: list[bool] | None = None
 
     @property
     def tokens_per_s(self) -> float:
@@ -228,6 +234,7 @@ def ar_generate(
     generator: RowGenerators = None,
     use_cache: bool = True,
     return_logprobs: bool = False,
+    grammar: ResponseGrammar | None = None,
 ) -> DecodeOutput:
     """Decode up to `max_new_tokens` tokens after each prompt, batched.
 
@@ -254,10 +261,14 @@ def ar_generate(
             log_softmax(logits) at temperature 1 over the full vocabulary, with
             neither temperature nor top_k applied (the policy's log-prob that
             RL needs, not the log-prob of the sampling distribution).
+        grammar: greedy only; each token is the most likely one the grammar
+            allows at its position (`gr2model.constrained`), so every answer
+            is valid; `constrained` says which rows it changed.
     Returns:
         DecodeOutput (see its fields).
     """
     start = time.perf_counter()
+    check_grammar(grammar, len(prompts), max_new_tokens, temperature)
     # From the parameters: a wrapped module (DDP) has no `.device`.
     device = next(model.parameters()).device
     ids, mask = left_pad(prompts, pad_id, device)
@@ -285,6 +296,8 @@ def ar_generate(
     if return_logprobs:
         out_logprobs = torch.zeros((batch, max_new_tokens), dtype=torch.float32, device=device)
     lengths = torch.full((batch,), max_new_tokens, dtype=torch.long, device=device)
+    changed = torch.zeros(batch, dtype=torch.bool, device=device)
+    new_cols = torch.arange(max_new_tokens, device=device)
 
     cache = _preallocated_cache(model.config.num_hidden_layers, total_len) if use_cache else None
     nfe = 0
@@ -311,7 +324,15 @@ def ar_generate(
             )
         nfe += 1
         logits = out.logits[:, -1, :]
-        token = _pick(logits, temperature, top_k, generator)
+        if grammar is None:
+            token = _pick(logits, temperature, top_k, generator)
+        else:
+            here = torch.full((rows.shape[0], 1), step, dtype=torch.long, device=device)
+            gstate = grammar.state(rows, out_tokens[rows], (new_cols < step).expand(rows.shape[0], -1))
+            allowed = grammar.allowed(gstate, here)
+            tokens, _, free = constrained_proposals(logits[:, None], allowed)
+            token = tokens[:, 0]
+            changed[rows] |= ~free[:, 0]
         seq[:, cur] = token
         out_tokens[rows, step] = token
         if out_logprobs is not None:
@@ -344,6 +365,7 @@ def ar_generate(
         generated_tokens=sum(lengths_list),
         seconds=time.perf_counter() - start,
         logprobs=logprobs,
+        constrained=changed.tolist() if grammar is not None else None,
     )
 
 

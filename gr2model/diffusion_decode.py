@@ -120,6 +120,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from gr2model.ar_decode import DecodeOutput, RowGenerators, _left_pad_positions, left_pad, sample_rows, select_rows
 from gr2model.block_diffusion import block_diffusion_mask
+from gr2model.constrained import ResponseGrammar, check_grammar, constrained_proposals
 
 __all__ = ["DiffusionDecodeOutput", "check_sub_block_size", "commit_mask", "propose", "diffusion_generate"]
 
@@ -159,7 +160,7 @@ class DiffusionDecodeOutput(DecodeOutput):
         return self.generated_tokens / self.nfe if self.nfe > 0 else 0.0
 
 
-def commit_mask(confidence: torch.Tensor, still_masked: torch.Tensor, threshold: float) -> torch.Tensor:
+def commit_mask(confidence: torch.Tensor, still_masked: torch.Tensor, threshold: float | torch.Tensor) -> torch.Tensor:
     """Which masked positions to commit this step.
 
     Every masked position whose confidence is >= threshold, plus the most
@@ -173,6 +174,7 @@ def commit_mask(confidence: torch.Tensor, still_masked: torch.Tensor, threshold:
             token and may be committed.
         threshold: the confidence needed to commit beyond the forced one; > 1
             commits exactly one position per step, <= 0 every masked position.
+            A (N, B) tensor gives each position its own.
     Returns:
         (N, B) bool, a subset of `still_masked`; a row with any masked position
         gets at least one True.
@@ -529,6 +531,8 @@ def diffusion_generate(
     return_trace: bool = False,
     return_logprobs: bool = False,
     sub_block_size: int | None = None,
+    grammar: ResponseGrammar | None = None,
+    explanation_threshold: float | None = None,
 ) -> DiffusionDecodeOutput:
     """Decode up to `max_new_tokens` tokens after each prompt by block diffusion, batched.
 
@@ -568,6 +572,17 @@ def diffusion_generate(
             still has one (the threshold rule inside it, at least one per step);
             the forward still covers the whole block (module docstring).
             S = B is the same as None. Raises ValueError if S does not divide B.
+        grammar: greedy only; each position proposes the most likely token the
+            grammar allows there given the committed ones, with the model's raw
+            probability of it as confidence (`gr2model.constrained`), and two
+            slots never commit the same candidate in one step; every answer is
+            then valid, and `constrained` says which rows the grammar changed.
+        explanation_threshold: with a grammar, the threshold for the positions
+            after the answer (the explanation's words and the tail), `threshold`
+            staying that of the answer (the template and its ranking). The
+            ranking, which all accuracy comes from, is then decoded as carefully
+            as before while the longer explanation commits more per forward.
+            None: `threshold` everywhere. ValueError without a grammar.
     Returns:
         DiffusionDecodeOutput: sequences, nfe (every forward, the prefill
         included), generated_tokens, seconds, steps and tails with
@@ -577,6 +592,9 @@ def diffusion_generate(
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     check_sub_block_size(block_size, sub_block_size)
+    check_grammar(grammar, len(prompts), max_new_tokens, temperature)
+    if explanation_threshold is not None and grammar is None:
+        raise ValueError("explanation_threshold needs a grammar: it is what knows where the answer ends")
     device = next(model.parameters()).device
     ids, attn = left_pad(prompts, pad_id, device)
     batch = ids.shape[0]
@@ -616,6 +634,7 @@ def diffusion_generate(
     lengths = [0] * batch
     ar = torch.arange(bsz, device=device)
     ar_w = torch.arange(window, device=device)
+    changed = torch.zeros(batch, dtype=torch.bool, device=device)
 
     ctx: torch.Tensor | None = None  # None: the next forward is the prefill
     ctx_list: list[bool] | None = None
@@ -643,20 +662,40 @@ def diffusion_generate(
         nfe += 1
         # Before `propose`, which bans the mask column in place: the raw log-partition.
         lse = torch.logsumexp(logits.float(), dim=-1) if logp_of is not None else None
-        # One (N, W, V) draw per step on both paths, so sampling draws alike.
-        tokens, conf = propose(logits, temperature, generator, mask_id)
+        free = None
+        if grammar is None:
+            # One (N, W, V) draw per step on both paths, so sampling draws alike.
+            tokens, conf = propose(logits, temperature, generator, mask_id)
+        else:
+            # Response positions of the window (a last block's positions past the
+            # limit are never open: any valid index will do).
+            where = cols if win is None else start[:, None] + win
+            where = where.clamp(max=max_new_tokens - 1)
+            gstate = grammar.state(rows, resp, step_of >= 0)
+            tokens, conf, free = constrained_proposals(logits, grammar.allowed(gstate, where), mask_id)
         tok_logp = None
         if logp_of is not None:
             assert lse is not None
             tok_logp = logits.gather(-1, tokens[..., None]).squeeze(-1).float() - lse
 
+        open_w = open_ if win is None else open_.gather(1, win)
+        thr: float | torch.Tensor = threshold
+        if explanation_threshold is not None:
+            assert grammar is not None
+            thr = torch.where(where >= grammar.template_len[rows, None], explanation_threshold, threshold)
+        chosen_w = commit_mask(conf, open_w, thr)
+        if grammar is not None:
+            assert free is not None
+            kept = grammar.consistent(gstate, chosen_w, tokens, conf, where)
+            # Changed: a commit that is not the model's own choice, or a pick held back.
+            changed[rows] |= (kept & ~free).any(1) | (chosen_w & ~kept).any(1)
+            chosen_w = kept
         if win is None:
-            chosen = commit_mask(conf, open_, threshold)
+            chosen = chosen_w
         else:
-            # The threshold rule inside the window only, then back to block
-            # positions (outside the window nothing is chosen, so the zeros
-            # put in tokens and log-probs there are never read).
-            chosen = torch.zeros_like(open_).scatter_(1, win, commit_mask(conf, open_.gather(1, win), threshold))
+            # Back to block positions (outside the window nothing is chosen, so
+            # the zeros put in tokens and log-probs there are never read).
+            chosen = torch.zeros_like(open_).scatter_(1, win, chosen_w)
             tokens = torch.zeros_like(cols).scatter_(1, win, tokens)
             if tok_logp is not None:
                 tok_logp = tok_logp.new_zeros(cols.shape).scatter_(1, win, tok_logp)
@@ -728,4 +767,5 @@ def diffusion_generate(
         tail_tokens=tail_tokens,
         tail_steps=tail_steps,
         tail_logprobs=tail_logprobs,
+        constrained=changed.tolist() if grammar is not None else None,
     )

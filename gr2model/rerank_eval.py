@@ -18,6 +18,7 @@ from tqdm.auto import tqdm
 
 from gr2model.ar_decode import DecodeOutput, ar_generate
 from gr2model.block_diffusion import block_diffusion_settings
+from gr2model.constrained import ResponseGrammar
 from gr2model.diffusion_decode import check_sub_block_size, diffusion_generate
 from gr2model.speculative import DiffusionDrafter, Drafter, SpeculativeDecodeOutput, speculative_generate
 from gr2model.rerank_format import FormatConfig, ItemText, ParsedResponse, build_prompt, evidence_of, parse_response
@@ -61,7 +62,7 @@ def random_rankings(incoming: Sequence[Sequence[int]], seed: int) -> list[list[i
     return [list(np.asarray(c)[rng.permutation(len(c))]) for c in incoming]
 
 
-def decoder_kwargs(model, threshold: float, sub_block_size: int | None = None) -> dict:
+def decoder_kwargs(model, threshold: float, sub_block_size: int | None = None, explanation_threshold: float | None = None) -> dict:
     """The `lm_rerank` keyword arguments that decode with the model's own decoder.
 
     An AR model: {} (our KV-cache AR loop; `sub_block_size` does not apply). A
@@ -69,7 +70,9 @@ def decoder_kwargs(model, threshold: float, sub_block_size: int | None = None) -
     threshold decoder with its block size, mask id and commit threshold
     `threshold`, plus `sub_block_size` when not None (sub-block decoding,
     `gr2model.diffusion_decode`; ValueError here if it does not divide the
-    model's block size, before anything is decoded).
+    model's block size, before anything is decoded), and `explanation_threshold`
+    when not None (the threshold after the answer; it needs `lm_rerank`'s
+    `constrained`).
     """
     if getattr(model.config, "block_size", None) is None:
         return {}
@@ -78,6 +81,8 @@ def decoder_kwargs(model, threshold: float, sub_block_size: int | None = None) -
     if sub_block_size is not None:
         check_sub_block_size(block_size, sub_block_size)
         kwargs["sub_block_size"] = sub_block_size
+    if explanation_threshold is not None:
+        kwargs["explanation_threshold"] = explanation_threshold
     return kwargs
 
 
@@ -124,6 +129,7 @@ def lm_rerank(
     decoder: Decoder = ar_generate,
     desc: str = "re-rank",
     state: PartialState | None = None,
+    constrained: bool = False,
     **decode_kwargs,
 ) -> LMRerankResult:
     """Decode a response for every row (greedy unless decode_kwargs say otherwise) and parse it.
@@ -139,8 +145,16 @@ def lm_rerank(
         process, and every batch holds the same rows with the same padding as on one
         process: the outputs do not depend on N. `seconds` then sums the decoding
         time of all processes.
+    constrained: decode every answer under the format's grammar (greedy
+        `ar_generate` or `diffusion_generate` only; `gr2model.constrained`), so
+        every answer is a valid permutation; each output's `constrained` says
+        which answers the grammar changed. ValueError for a format the grammar
+        does not cover (it needs answer "index" written first).
     """
     ids = special_ids(tok)
+    if constrained and (fmt.answer != "index" or not fmt.answer_first):
+        raise ValueError(f"constrained decoding needs the answer-first index format, not answer={fmt.answer!r} answer_first={fmt.answer_first}")
+    ks = [len(c) for c in lists["candidates"].to_list()]
     prompts = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts_of(lists, items, fmt)]
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     batches = [order[start : start + batch_size] for start in range(0, len(order), batch_size)]
@@ -148,6 +162,11 @@ def lm_rerank(
     mine: list[tuple[int, DecodeOutput]] = []
     for b in tqdm(range(rank, len(batches), world), desc=desc, leave=False, disable=rank != 0):
         prompts_b = [prompts[i] for i in batches[b]]
+        if constrained:
+            decode_kwargs["grammar"] = ResponseGrammar(
+                tok, [ks[i] for i in batches[b]], max_new_tokens, vocab_size=model.config.vocab_size,
+                device=next(model.parameters()).device,
+            )
         mine.append((b, decoder(model, prompts_b, pad_id=ids["pad"], eos_id=ids["eos"], max_new_tokens=max_new_tokens, **decode_kwargs)))
     # gather_object concatenates the processes' lists (process 0's first): sort back into batch order.
     decoded = sorted(gather_object(mine), key=lambda t: t[0]) if world > 1 else mine
