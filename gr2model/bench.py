@@ -14,6 +14,9 @@ Rows (one per decoder, model, threshold, sub-block size and batch size):
     tau: the commit threshold (None for AR)
     sub_block_size: the diffusion decoder's sub-block size (None: whole
         blocks, and for AR); rows with one come only when asked for
+    explanation_tau, explanation_sub_block_size: the threshold and sub-block
+        size after the answer (None: tau, sub_block_size), rows with them
+        only when asked for (constrained decoding)
     batch_size, n (examples), seconds (decode time, tokenisation excluded)
     tokens_per_s: generated tokens (eos included) per second of decoding
     speedup: tokens_per_s / the best AR tokens_per_s at this batch size
@@ -32,6 +35,8 @@ Rows (one per decoder, model, threshold, sub-block size and batch size):
         positions (an assumption, not a measurement).
     response_tokens: mean generated tokens per example
     recall@1, ndcg@3, valid_format_rate, valid_permutation_rate
+    grammar_changed_rate: under constrained decoding, the share of answers the
+        grammar changed (None when unconstrained)
     draft_len, draft_steps, mean_accepted_length, ar_forwards_per_token,
     draft_forwards_per_token, equal_to_gr2: speculative rows only (None
         elsewhere), see below
@@ -66,9 +71,10 @@ from gr2model.speculative import SpeculativeDecodeOutput
 log = logging.getLogger(__name__)
 
 SPEED_FIELDS = (
-    "decoder", "model", "tau", "sub_block_size", "batch_size", "n", "seconds", "tokens_per_s", "speedup", "nfe_per_token",
+    "decoder", "model", "tau", "sub_block_size", "explanation_tau", "explanation_sub_block_size", "batch_size", "n", "seconds", "tokens_per_s", "speedup", "nfe_per_token",
     "tokens_per_forward", "forward_cost", "projected_speedup", "response_tokens", "recall@1", "ndcg@3", "valid_format_rate", "valid_permutation_rate",
-    "draft_len", "draft_steps", "mean_accepted_length", "ar_forwards_per_token", "draft_forwards_per_token", "equal_to_gr2",
+    "grammar_changed_rate", "draft_len", "draft_steps", "mean_accepted_length", "ar_forwards_per_token", "draft_forwards_per_token",
+    "equal_to_gr2",
 )  # fmt: skip
 # The fields only speculative rows fill (None on the others).
 SPEC_FIELDS = SPEED_FIELDS[SPEED_FIELDS.index("draft_len") :]
@@ -114,15 +120,18 @@ def speculative_stats(out: LMRerankResult) -> dict[str, float]:
 
 def _row(
     decoder: str, model: str, tau: float | None, batch_size: int, out: LMRerankResult, targets: Sequence[int],
-    sub_block_size: int | None = None,
+    sub_block_size: int | None = None, explanation_tau: float | None = None, explanation_sub_block_size: int | None = None,
 ) -> dict[str, Any]:
     m = rerank_metrics(out.parsed, targets)
     tokens = max(out.generated_tokens, 1)
+    changed = [c for o in out.outputs for c in (o.constrained or [])]
     return {
         "decoder": decoder,
         "model": model,
         "tau": tau,
         "sub_block_size": sub_block_size,
+        "explanation_tau": explanation_tau,
+        "explanation_sub_block_size": explanation_sub_block_size,
         "batch_size": batch_size,
         "n": len(out.parsed),
         "seconds": out.seconds,
@@ -137,6 +146,7 @@ def _row(
         "ndcg@3": m["ndcg@3"],
         "valid_format_rate": m["valid_format_rate"],
         "valid_permutation_rate": m["valid_permutation_rate"],
+        "grammar_changed_rate": sum(changed) / len(changed) if changed else None,
         **dict.fromkeys(SPEC_FIELDS),
     }
 
@@ -171,6 +181,9 @@ def decode_benchmark(
     drafters: Mapping[str, PreTrainedModel] | None = None,
     draft_len: int = 8,
     draft_steps: int = 2,
+    constrained: bool = False,
+    explanation_taus: Sequence[float] = (),
+    explanation_sub_block_size: int | None = None,
 ) -> list[dict[str, Any]]:
     """Decode `lists` with every decoder, threshold and batch size; one row each (module docstring).
 
@@ -190,6 +203,15 @@ def decode_benchmark(
         drafters: name -> block-diffusion model: one speculative row each
             ("spec", module docstring), GR2 verifying its drafts of
             `draft_len` tokens made in `draft_steps` forwards. None: no such rows.
+        constrained: decode the diffusion rows under the answer grammar
+            (`gr2model.constrained`; their grammar_changed_rate says how many
+            answers it changed). The AR rows stay unconstrained: the faster AR
+            decoder is the reference, and GR2's answers are valid anyway.
+        explanation_taus: with `constrained`, besides each diffusion row, one
+            more per threshold e here below its tau, decoding the explanation
+            at e (`explanation_threshold`) and the answer at tau, with
+            `explanation_sub_block_size` past the answer when given (a
+            divisor of the block; the model is skipped for it otherwise).
     Returns:
         The rows, AR first within each batch size, then diffusion, then
         speculative; `speedup` is relative to the faster of "ar" and "hf" at
@@ -226,16 +248,25 @@ def decode_benchmark(
                     log.warning("bench %s: sub-block size %d does not divide block size %d, skipped", name, sub, block_size)
             for tau in taus:
                 for sub in subs:
-                    tag = "" if sub is None else f" s{sub}"
-                    out = lm_rerank(
-                        model, tok, lists, items, fmt, decoder=diffusion_generate,
-                        desc=f"bench {name} tau {tau}{tag} b{bs}", mask_id=mask_id, block_size=block_size,
-                        threshold=tau, sub_block_size=sub, **common,
-                    )  # fmt: skip
-                    row = _relative_to(_row("diffusion", name, tau, bs, out, targets, sub_block_size=sub), out, best_ar, ar)
-                    batch_rows.append(row)
-                    if on_row:
-                        on_row(row)
+                    for expl in [None, *(e for e in explanation_taus if constrained and e < tau)]:
+                        tag = ("" if sub is None else f" s{sub}") + ("" if expl is None else f" e{expl}")
+                        extra: dict[str, Any] = {}
+                        if expl is not None:
+                            extra["explanation_threshold"] = expl
+                            if explanation_sub_block_size is not None and block_size % explanation_sub_block_size == 0:
+                                extra["explanation_sub_block_size"] = explanation_sub_block_size
+                        out = lm_rerank(
+                            model, tok, lists, items, fmt, decoder=diffusion_generate,
+                            desc=f"bench {name} tau {tau}{tag} b{bs}", mask_id=mask_id, block_size=block_size,
+                            threshold=tau, sub_block_size=sub, constrained=constrained, **extra, **common,
+                        )  # fmt: skip
+                        row = _row(
+                            "diffusion", name, tau, bs, out, targets, sub_block_size=sub, explanation_tau=expl,
+                            explanation_sub_block_size=extra.get("explanation_sub_block_size"),
+                        )  # fmt: skip
+                        batch_rows.append(_relative_to(row, out, best_ar, ar))
+                        if on_row:
+                            on_row(row)
         for name, drafter_model in drafters.items():
             out = lm_rerank(
                 ar_model, tok, lists, items, fmt, desc=f"bench spec {name} k{draft_len} b{bs}",
@@ -260,8 +291,14 @@ def speed_table(rows: Sequence[Mapping[str, Any]]) -> str:
     columns only when some row is speculative (the default table is unchanged).
     """
     cols: tuple[str, ...] = ("decoder", "model", "tau", "batch_size", "tokens_per_s", "speedup", "nfe_per_token", "forward_cost", "projected_speedup", "response_tokens", "recall@1", "valid_format_rate")
+    if any(r.get("explanation_sub_block_size") is not None for r in rows):
+        cols = cols[:3] + ("explanation_sub_block_size",) + cols[3:]
+    if any(r.get("explanation_tau") is not None for r in rows):
+        cols = cols[:3] + ("explanation_tau",) + cols[3:]
     if any(r.get("sub_block_size") is not None for r in rows):
         cols = cols[:3] + ("sub_block_size",) + cols[3:]
+    if any(r.get("grammar_changed_rate") is not None for r in rows):
+        cols += ("grammar_changed_rate",)
     if any(r.get("decoder") == "spec" for r in rows):
         cols += SPEC_FIELDS
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]

@@ -53,12 +53,17 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from gr2model.rerank_format import EOS, EXPLANATION_KEY, MAX_POSITIONS, RECOMMENDATIONS_KEY, SPECIAL_TOKENS, pos_token
+from gr2model.rerank_format import EOS, EXPLANATION_KEY, MAX_POSITIONS, RECOMMENDATIONS_KEY, SPECIAL_TOKENS, FormatConfig, pos_token
 
-__all__ = ["GrammarState", "ResponseGrammar", "answer_template", "check_grammar", "constrained_proposals"]
+__all__ = ["GrammarState", "ResponseGrammar", "answer_template", "check_grammar", "constrained_proposals", "covers"]
 
 # Position codes of `ResponseGrammar.codes` (a code >= 0 is the fixed token's id).
 SLOT, WORD = -1, -2
+
+
+def covers(fmt: FormatConfig) -> bool:
+    """Whether the grammar describes this format's answers (answer "index", written first)."""
+    return fmt.answer == "index" and fmt.answer_first
 
 
 def answer_template(k: int) -> list[str]:

@@ -533,6 +533,7 @@ def diffusion_generate(
     sub_block_size: int | None = None,
     grammar: ResponseGrammar | None = None,
     explanation_threshold: float | None = None,
+    explanation_sub_block_size: int | None = None,
 ) -> DiffusionDecodeOutput:
     """Decode up to `max_new_tokens` tokens after each prompt by block diffusion, batched.
 
@@ -583,6 +584,13 @@ def diffusion_generate(
             ranking, which all accuracy comes from, is then decoded as carefully
             as before while the longer explanation commits more per forward.
             None: `threshold` everywhere. ValueError without a grammar.
+        explanation_sub_block_size: with a grammar, the sub-block size of the
+            blocks that hold no answer position (B: whole blocks), the answer's
+            blocks keeping `sub_block_size`. Sub-blocks keep the ranking's
+            departures from the incoming order (measured: whole blocks copy
+            it), while the explanation commits more per forward in whole
+            blocks. None: `sub_block_size` everywhere. ValueError without a
+            grammar or if it does not divide B.
     Returns:
         DiffusionDecodeOutput: sequences, nfe (every forward, the prefill
         included), generated_tokens, seconds, steps and tails with
@@ -593,8 +601,9 @@ def diffusion_generate(
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     check_sub_block_size(block_size, sub_block_size)
     check_grammar(grammar, len(prompts), max_new_tokens, temperature)
-    if explanation_threshold is not None and grammar is None:
-        raise ValueError("explanation_threshold needs a grammar: it is what knows where the answer ends")
+    if (explanation_threshold is not None or explanation_sub_block_size is not None) and grammar is None:
+        raise ValueError("explanation_threshold and explanation_sub_block_size need a grammar: it is what knows where the answer ends")
+    check_sub_block_size(block_size, explanation_sub_block_size)
     device = next(model.parameters()).device
     ids, attn = left_pad(prompts, pad_id, device)
     batch = ids.shape[0]
@@ -611,6 +620,14 @@ def diffusion_generate(
     span = math.ceil(max_new_tokens / bsz) * bsz
 
     sub = sub_block_size
+    # Explanation blocks decoded with their own sub-block size: every step then computes the
+    # whole block's logits, and each row's window (of its block's size) restricts its commits.
+    split_sub = explanation_sub_block_size is not None and explanation_sub_block_size != (sub or bsz)
+    if split_sub:
+        assert grammar is not None and explanation_sub_block_size is not None
+        answer_sub, expl_sub = sub or bsz, explanation_sub_block_size
+        first_expl_block = (grammar.template_len + bsz - 1) // bsz * bsz  # (N,) first block start past the answer
+        sub = None
     window = bsz if sub is None else sub  # positions that get logits each step
     forward: _CachedForward | _RecomputeForward
     if use_cache:
@@ -656,6 +673,11 @@ def diffusion_generate(
             # block), and a just-started block is at sub-block 0.
             off = open_.long().argmax(1) // sub * sub
             win = off[:, None] + ar_w  # (N, S) block positions of the window
+
+        if split_sub:
+            size = torch.where(start >= first_expl_block[rows], expl_sub, answer_sub)
+            lo = open_.long().argmax(1) // size * size
+            open_ = open_ & (ar >= lo[:, None]) & (ar < (lo + size)[:, None])
 
         logits = forward(resp, start, plen, ctx, ctx_list, off)
         step = nfe

@@ -18,7 +18,7 @@ from tqdm.auto import tqdm
 
 from gr2model.ar_decode import DecodeOutput, ar_generate
 from gr2model.block_diffusion import block_diffusion_settings
-from gr2model.constrained import ResponseGrammar
+from gr2model.constrained import ResponseGrammar, covers
 from gr2model.diffusion_decode import check_sub_block_size, diffusion_generate
 from gr2model.speculative import DiffusionDrafter, Drafter, SpeculativeDecodeOutput, speculative_generate
 from gr2model.rerank_format import FormatConfig, ItemText, ParsedResponse, build_prompt, evidence_of, parse_response
@@ -62,7 +62,10 @@ def random_rankings(incoming: Sequence[Sequence[int]], seed: int) -> list[list[i
     return [list(np.asarray(c)[rng.permutation(len(c))]) for c in incoming]
 
 
-def decoder_kwargs(model, threshold: float, sub_block_size: int | None = None, explanation_threshold: float | None = None) -> dict:
+def decoder_kwargs(
+    model, threshold: float, sub_block_size: int | None = None, explanation_threshold: float | None = None,
+    explanation_sub_block_size: int | None = None,
+) -> dict:
     """The `lm_rerank` keyword arguments that decode with the model's own decoder.
 
     An AR model: {} (our KV-cache AR loop; `sub_block_size` does not apply). A
@@ -72,7 +75,8 @@ def decoder_kwargs(model, threshold: float, sub_block_size: int | None = None, e
     `gr2model.diffusion_decode`; ValueError here if it does not divide the
     model's block size, before anything is decoded), and `explanation_threshold`
     when not None (the threshold after the answer; it needs `lm_rerank`'s
-    `constrained`).
+    `constrained`), and `explanation_sub_block_size` likewise (the sub-block
+    size of the blocks past the answer).
     """
     if getattr(model.config, "block_size", None) is None:
         return {}
@@ -83,6 +87,9 @@ def decoder_kwargs(model, threshold: float, sub_block_size: int | None = None, e
         kwargs["sub_block_size"] = sub_block_size
     if explanation_threshold is not None:
         kwargs["explanation_threshold"] = explanation_threshold
+    if explanation_sub_block_size is not None:
+        check_sub_block_size(block_size, explanation_sub_block_size)
+        kwargs["explanation_sub_block_size"] = explanation_sub_block_size
     return kwargs
 
 
@@ -152,7 +159,7 @@ def lm_rerank(
         does not cover (it needs answer "index" written first).
     """
     ids = special_ids(tok)
-    if constrained and (fmt.answer != "index" or not fmt.answer_first):
+    if constrained and not covers(fmt):
         raise ValueError(f"constrained decoding needs the answer-first index format, not answer={fmt.answer!r} answer_first={fmt.answer_first}")
     ks = [len(c) for c in lists["candidates"].to_list()]
     prompts = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts_of(lists, items, fmt)]

@@ -43,6 +43,7 @@ from accelerate import PartialState
 from gr2model.bench import SPEED_FIELDS, decode_benchmark, equal_share, speculative_stats, speed_table
 from gr2model.block_diffusion import block_diffusion_settings, convert_to_block_diffusion
 from gr2model.checkpoint import load_hf_checkpoint
+from gr2model.constrained import covers
 from gr2model.data import load_prepared
 from gr2model.rerank_eval import (
     LMRerankResult, decoder_kwargs, fixed_rankings, lm_rerank, random_rankings, rerank_examples, speculative_kwargs,
@@ -74,7 +75,7 @@ DIFFUSION_MODELS: dict[str, Path] = {
 SPEC_PREFIX = "spec-"  # `spec-<drafter>`: GR2 verifying that diffusion model's drafts (ARCHITECTURE.md)
 # The paper's ablation: each row adds one stage to the one before it.
 ABLATION = ("prerank", "gr2", NAIVE, *DIFFUSION_MODELS)
-ABLATION_METRICS = ("recall@1", "recall@3", "ndcg@3", "valid_format_rate", "valid_permutation_rate", "copy_incoming_rate")
+ABLATION_METRICS = ("recall@1", "recall@3", "ndcg@3", "valid_format_rate", "valid_permutation_rate", "copy_incoming_rate", "grammar_changed_rate")
 # Metrics that get a bootstrap interval and paired differences (the contract in ARCHITECTURE.md).
 CI_METRICS = ("recall@1", "ndcg@3")
 
@@ -85,6 +86,10 @@ class BenchParams(StageConfig):
     examples: Count = 64  # the first N test re-ranking examples (the same for every decoder)
     models: list[str] = ["dgr2-cft", "dgr2"]  # diffusion models raced against GR2 (those that exist)
     sub_block_sizes: list[Count] = []  # extra diffusion rows decoding sub-block by sub-block (each must divide the block)
+    # Extra diffusion rows decoding the explanation at each of these thresholds (those below the
+    # row's tau; the diffusion rows decode under the answer grammar when evaluate.constrained).
+    explanation_taus: list[Unit] = []
+    explanation_sub_block_size: Count | None = None  # those rows' sub-block size past the answer (null: the row's)
     # Speculative rows: GR2 verifies what each of these diffusion models drafts (those that exist).
     spec_models: list[str] = ["dgr2-naive", "dgr2-cft", "dgr2-opd", "dgr2"]
     spec_draft_len: Count = 8  # tokens drafted per round (the drafter stops at its block end anyway)
@@ -102,6 +107,13 @@ class EvaluateConfig(StageConfig):
     seed: Seed = 0
     bootstrap: Count = 2000  # resamples of the examples for every interval (paired for differences)
     tau: Unit = 0.9  # commit threshold of the diffusion decoder in the accuracy table
+    # Decode every LM row under the answer grammar (gr2model.constrained): every answer valid, and
+    # `grammar_changed_rate` the share it changed (the model's own command of the format).
+    constrained: bool = True
+    # The diffusion rows' threshold after the answer (the explanation; needs constrained); null: tau.
+    explanation_tau: Unit | None = None
+    # Their sub-block size in the blocks past the answer (needs constrained); null: sub_block_size.
+    explanation_sub_block_size: Count | None = None
     # The accuracy table's diffusion decoder commits within sub-blocks of this size; that it divides
     # the block size is checked at decode time (the block size is the checkpoint's, not a param here).
     sub_block_size: Count | None = None
@@ -215,7 +227,7 @@ def add_intervals(
 def ablation_table(results: dict[str, dict[str, dict[str, Any]]], split: str) -> str:
     """The ablation rows (ABLATION order) of one split: metrics, R@1 and NDCG@3 with
     their 95% intervals and their paired differences to the pre-rank order."""
-    head = [*ABLATION_METRICS, "R@1 95% CI", "R@1 - prerank [95% CI]", "NDCG@3 - prerank [95% CI]", "n"]
+    head = [*ABLATION_METRICS, "R@1 95% CI", "R@1 - prerank [95% CI]", "NDCG@3 - prerank [95% CI]", "R@1 - gr2 [95% CI]", "n"]
     lines = [f"| model | {' | '.join(head)} |", f"|---|{'---|' * len(head)}"]
 
     def diff(m: dict[str, Any], key: str) -> str:
@@ -227,8 +239,8 @@ def ablation_table(results: dict[str, dict[str, dict[str, Any]]], split: str) ->
         if m is None:
             continue
         ci = m.get("recall@1_ci95")
-        cells = [f"{m[c]:.4f}" for c in ABLATION_METRICS]
-        cells += [f"[{ci[0]:.4f}, {ci[1]:.4f}]" if ci else "-", diff(m, "recall@1_vs_prerank"), diff(m, "ndcg@3_vs_prerank"), str(int(m["n"]))]
+        cells = [f"{m[c]:.4f}" if c in m else "-" for c in ABLATION_METRICS]
+        cells += [f"[{ci[0]:.4f}, {ci[1]:.4f}]" if ci else "-", diff(m, "recall@1_vs_prerank"), diff(m, "ndcg@3_vs_prerank"), diff(m, "recall@1_vs_gr2"), str(int(m["n"]))]
         lines.append(f"| {model} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -240,14 +252,44 @@ def _decode_eval(
     """Decode one split with the model's decoder (AR or threshold diffusion; `kwargs` for another,
     e.g. `speculative_kwargs`); its metrics, per-example ranks and the decode itself.
     With `state` of several processes, they share the batches (`lm_rerank`): the same answers."""
-    kwargs = decoder_kwargs(model, cfg.tau, sub_block_size=cfg.sub_block_size) if kwargs is None else kwargs
+    # Speculative decoding has no grammar, and the grammar covers the answer-first index format only.
+    constrained = cfg.constrained and kwargs is None and covers(fmt)
+    if kwargs is None:
+        # The explanation's own threshold and sub-blocks need the grammar (it knows where the answer ends).
+        kwargs = decoder_kwargs(
+            model, cfg.tau, sub_block_size=cfg.sub_block_size,
+            explanation_threshold=cfg.explanation_tau if constrained else None,
+            explanation_sub_block_size=cfg.explanation_sub_block_size if constrained else None,
+        )  # fmt: skip
     out = lm_rerank(
-        model, tok, df, items, fmt, batch_size=cfg.batch_size, max_new_tokens=cfg.max_new_tokens, desc=name, state=state, **kwargs
+        model, tok, df, items, fmt, batch_size=cfg.batch_size, max_new_tokens=cfg.max_new_tokens, desc=name, state=state,
+        constrained=constrained, **kwargs,
     )  # fmt: skip
     m, ranks = scored(out.parsed, df["target"].to_list())
     m["tokens_per_s"] = out.generated_tokens / max(out.seconds, 1e-9)
     m["response_tokens"] = out.generated_tokens / max(len(out.parsed), 1)
+    if constrained:
+        m["grammar_changed_rate"] = grammar_changed(out)
     return m, ranks, out
+
+
+def decoding_note(cfg: EvaluateConfig) -> str:
+    """How the LM rows were decoded, for the report's headings."""
+    note = f"diffusion at tau {cfg.tau}"
+    if cfg.explanation_tau is not None:
+        note += f" (explanation {cfg.explanation_tau})"
+    if cfg.explanation_sub_block_size is not None:
+        note += f", explanation sub-blocks of {cfg.explanation_sub_block_size}"
+    if cfg.sub_block_size is not None:
+        note += f", sub-blocks of {cfg.sub_block_size}"
+    if cfg.constrained:
+        note += "; every LM row under the answer grammar (grammar_changed_rate: the answers it changed)"
+    return note
+
+
+def grammar_changed(out: LMRerankResult) -> float:
+    """The share of a constrained decode's answers that the grammar changed (`DecodeOutput.constrained`)."""
+    return sum(sum(o.constrained or []) for o in out.outputs) / max(len(out.parsed), 1)
 
 
 def pick_spec_drafter(names: Sequence[str], available: Iterable[str]) -> str | None:
@@ -298,14 +340,38 @@ def speed_metric_key(row: dict[str, Any]) -> str:
     """The MLflow key of a benchmark row's speed-up: `speed.<model>.<decoder>.tau<tau>.b<batch>[.s<sub-block>]`."""
     tau = row["tau"] if row["tau"] is not None else "-"
     sub = f".s{row['sub_block_size']}" if row.get("sub_block_size") else ""
+    sub += f".e{row['explanation_tau']}" if row.get("explanation_tau") is not None else ""
+    sub += f".es{row['explanation_sub_block_size']}" if row.get("explanation_sub_block_size") is not None else ""
     return f"speed.{row['model']}.{row['decoder']}.tau{tau}.b{row['batch_size']}{sub}.speedup"
 
 
-def run_bench(cfg: EvaluateConfig, root: Path, log: logging.Logger, models: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+def mark_every_example(rows: list[dict[str, Any]], results: dict[str, dict[str, dict[str, Any]]], cfg: EvaluateConfig) -> None:
+    """Give the bench rows that decode as the accuracy table does (same model, tau, sub-block and
+    explanation threshold) the accuracy table's judgement, measured on every example:
+    `every_example_recall@1_vs_gr2` (the lowest over the splits of the paired R@1 difference to
+    GR2) and `every_example_valid_format_rate` (the lowest over the splits). The parity point
+    (tasks/report.py) prefers them to the bench's few examples, which cannot resolve 0.005."""
+    for r in rows:
+        if r["decoder"] != "diffusion" or r["model"] not in results:
+            continue
+        setting = (r["tau"], r.get("sub_block_size"), r.get("explanation_tau"), r.get("explanation_sub_block_size"))
+        if setting != (cfg.tau, cfg.sub_block_size, cfg.explanation_tau, cfg.explanation_sub_block_size):
+            continue
+        by_split = [m for m in results[r["model"]].values() if "recall@1_vs_gr2" in m]
+        if by_split:
+            r["every_example_recall@1_vs_gr2"] = min(m["recall@1_vs_gr2"]["diff"] for m in by_split)
+            r["every_example_valid_format_rate"] = min(m["valid_format_rate"] for m in by_split)
+
+
+def run_bench(
+    cfg: EvaluateConfig, root: Path, log: logging.Logger, models: dict[str, Any] | None = None,
+    results: dict[str, dict[str, dict[str, Any]]] | None = None,
+) -> list[dict[str, Any]]:
     """The decode-speed benchmark on the first `cfg.bench.examples` test examples; writes metrics/speed.json and reports/speed.md.
 
     Args:
         models: the diffusion models to race (`diffusion_models`); loaded when None.
+        results: the accuracy table (with its paired intervals), for `mark_every_example`.
     """
     ds, _ = load_prepared(root / PREPARED)
     items = ItemText(ds.items)
@@ -324,7 +390,7 @@ def run_bench(cfg: EvaluateConfig, root: Path, log: logging.Logger, models: dict
     )  # fmt: skip
 
     def on_row(r: dict[str, Any]) -> None:
-        log.info("bench %s %s tau=%s sub-block %s b%d: %.0f tok/s, %.2fx, %.3f NFE/token, R@1 %.4f, valid %.3f", r["decoder"], r["model"], r["tau"], r.get("sub_block_size"), r["batch_size"], r["tokens_per_s"], r["speedup"], r["nfe_per_token"], r["recall@1"], r["valid_format_rate"])
+        log.info("bench %s %s tau=%s sub-block %s explanation %s b%d: %.0f tok/s, %.2fx, %.3f NFE/token, R@1 %.4f, valid %.3f", r["decoder"], r["model"], r["tau"], r.get("sub_block_size"), r.get("explanation_tau"), r["batch_size"], r["tokens_per_s"], r["speedup"], r["nfe_per_token"], r["recall@1"], r["valid_format_rate"])
         if r["decoder"] == "spec":
             log.info("bench spec %s b%d: %.2f accepted per verification, %.3f GR2 + %.3f drafter forwards per token, equal to GR2 on %.3f", r["model"], r["batch_size"], r["mean_accepted_length"], r["ar_forwards_per_token"], r["draft_forwards_per_token"], r["equal_to_gr2"])
 
@@ -332,7 +398,11 @@ def run_bench(cfg: EvaluateConfig, root: Path, log: logging.Logger, models: dict
         gr2, racers, tok, lists, items, fmt, taus=cfg.bench.taus, batch_sizes=cfg.bench.batch_sizes,
         max_new_tokens=cfg.max_new_tokens, on_row=on_row, sub_block_sizes=tuple(cfg.bench.sub_block_sizes),
         drafters=drafters, draft_len=cfg.bench.spec_draft_len, draft_steps=cfg.bench.spec_steps,
+        constrained=cfg.constrained and covers(fmt), explanation_taus=tuple(cfg.bench.explanation_taus),
+        explanation_sub_block_size=cfg.bench.explanation_sub_block_size,
     )  # fmt: skip
+    if results:
+        mark_every_example(rows, results, cfg)
     device = "cpu" if not torch.cuda.is_available() else torch.cuda.get_device_name(0)
     write_json_atomic({"device": device, "threads": torch.get_num_threads(), "examples": lists.height, "fields": list(SPEED_FIELDS), "rows": rows}, root / SPEED)
     table = speed_table(rows)
@@ -354,6 +424,8 @@ def run(cfg: EvaluateConfig, root: Path, log: logging.Logger, tracker: StageTrac
     items = ItemText(ds.items)
     fmt = load_format(root)
     teacher = load_teacher(root, ds.items, split["train"].to_list(), ds.num_items)
+    if cfg.constrained and not covers(fmt):
+        log.warning("evaluate.constrained: the answer grammar covers the answer-first index format only, not %s; every row decodes unconstrained", fmt)
 
     lists = {}
     for name in cfg.splits:
@@ -381,6 +453,10 @@ def run(cfg: EvaluateConfig, root: Path, log: logging.Logger, tracker: StageTrac
                 results[model_name][name], ranks[model_name][name], out = _decode_eval(model_name, model.to(state.device), tok, df, items, fmt, cfg, state=state)
             if model_name == "gr2":
                 gr2_tokens[name] = out.sequences
+                if cfg.constrained and covers(fmt) and cfg.spec_row:
+                    # The spec row verifies with GR2's own (unconstrained) greedy choice: its reference.
+                    free = lm_rerank(model, tok, df, items, fmt, batch_size=cfg.batch_size, max_new_tokens=cfg.max_new_tokens, desc="gr2 free", state=state)
+                    gr2_tokens[name] = free.sequences
             m = results[model_name][name]
             log.info("%s %s: %s", model_name, name, {k: round(v, 4) for k, v in m.items()})
 
@@ -420,7 +496,7 @@ def run(cfg: EvaluateConfig, root: Path, log: logging.Logger, tracker: StageTrac
         add_intervals(results, ranks, n_boot=cfg.bootstrap, seed=cfg.seed)
     report = "\n\n".join(f"## {s}\n\n{markdown_table(results, s)}" for s in cfg.splits)
     ablation = "\n\n".join(
-        f"## Ablation ({s}, diffusion at tau {cfg.tau}; intervals: {cfg.bootstrap} bootstrap resamples, paired)\n\n{ablation_table(results, s)}"
+        f"## Ablation ({s}, {decoding_note(cfg)}; intervals: {cfg.bootstrap} bootstrap resamples, paired)\n\n{ablation_table(results, s)}"
         for s in cfg.splits
     )
     sections = [ablation, spec_report(results, cfg.splits), report]
@@ -428,7 +504,7 @@ def run(cfg: EvaluateConfig, root: Path, log: logging.Logger, tracker: StageTrac
     tracker.log_artifact(root / REPORT)
     if models:
         with timed(log, "decode-speed benchmark", timings, "bench_s"):
-            rows = run_bench(cfg, root, log, models)
+            rows = run_bench(cfg, root, log, models, results)
         log.info("decode speed:\n%s", speed_table(rows))
         tracker.log_artifact(root / SPEED_REPORT)
         tracker.log_metrics({speed_metric_key(r): r["speedup"] for r in rows})

@@ -19,7 +19,7 @@ from typing import Any
 
 from tasks.report import (
     ABLATION_ROWS, CURVE_KEYS, PARITY_MIN_VALID_FORMAT, PARITY_R1_TOLERANCE, SPEC_PREFIX, ReportInputs, ar_reference, dig,
-    format_headline, headline_metrics, parity_point,
+    format_headline, headline_metrics, parity_point, setting_label,
 )  # fmt: skip
 from tasks.common import STAGES
 
@@ -137,7 +137,8 @@ def _speed_series(rows: Sequence[Mapping[str, Any]], batch_size: int) -> dict[st
             label = f"spec {r.get('model')}"
         else:
             sub = r.get("sub_block_size")
-            label = f"{r.get('model')}" + (f" sub-block {sub}" if sub else "")
+            expl = r.get("explanation_tau")
+            label = f"{r.get('model')}" + (f" sub-block {sub}" if sub else "") + (f" explanation {expl:g}" if expl is not None else "")
         series.setdefault(label, []).append(r)
     for rs in series.values():
         rs.sort(key=lambda r: -1.0 if r.get("tau") is None else float(r["tau"]))
@@ -309,7 +310,8 @@ def section_speed(inputs: ReportInputs) -> str:
         f"<p>{_fmt(sp.get('examples'))} test examples on {_fmt(sp.get('device'))} with {_fmt(sp.get('threads'))} threads. "
         f"Speed-up is tokens per second over the best AR decoder for GR2's weights at the same batch size, measured in the same run. "
         f"Parity point: the fastest diffusion setting whose R@1 is within {PARITY_R1_TOLERANCE} of AR's and whose valid-format rate "
-        f"is at least {PARITY_MIN_VALID_FORMAT} (the promotion gates' bar); the labels on the right-hand points are tau.</p>"
+        f"is at least {PARITY_MIN_VALID_FORMAT} (the promotion gates' bar), judged on every validation and test example for the "
+        f"setting the accuracy table decodes, else on these examples; the labels on the right-hand points are tau.</p>"
     )
     parts = [head]
     summary = []
@@ -317,7 +319,7 @@ def section_speed(inputs: ReportInputs) -> str:
         p = parity_point(rows, bs)
         fastest = max((r for r in rows if r.get("batch_size") == bs and r.get("decoder") == "diffusion"), key=lambda r: float(r.get("speedup") or 0), default=None)
         summary.append([
-            str(bs), f"{float(p['speedup']):.2f}x ({html.escape(str(p['model']))}, tau {p['tau']})" if p else "none",
+            str(bs), f"{float(p['speedup']):.2f}x ({html.escape(str(p['model']))}, {html.escape(setting_label(p))})" if p else "none",
             f"{float(fastest['speedup']):.2f}x ({html.escape(str(fastest['model']))}, tau {fastest['tau']}, R@1 {_fmt(fastest.get('recall@1'))}, valid {_fmt(fastest.get('valid_format_rate'))})" if fastest else "-",
         ])  # fmt: skip
         parts.append(speed_figure(rows, bs))

@@ -217,8 +217,29 @@ def test_explanation_threshold(tok, ids) -> None:
     loose = diffusion_generate(model, [PROMPT], **common, grammar=grammar(tok), explanation_threshold=0.0)
     assert loose.nfe < strict.nfe
     assert judge(tok, loose.sequences[0]).valid_permutation
-    with pytest.raises(ValueError, match="needs a grammar"):
+    with pytest.raises(ValueError, match="need a grammar"):
         diffusion_generate(model, [PROMPT], **common, explanation_threshold=0.0)
+
+
+def test_explanation_sub_blocks(tok, ids) -> None:
+    """Sub-blocks of 2 in the answer's blocks, whole blocks of 8 past it: the answer's blocks commit
+    sub-block by sub-block, the later ones anywhere in the block; the same size twice is the plain decoder."""
+    model = tiny_model(tok, seed=3, scale=1.0).eval()
+    common = dict(pad_id=ids["pad"], eos_id=ids["eos"], mask_id=ids["mask"], max_new_tokens=MAX_NEW, block_size=8, threshold=2.0, return_trace=True)
+    plain = diffusion_generate(model, [PROMPT], **common, sub_block_size=2, grammar=grammar(tok))
+    same = diffusion_generate(model, [PROMPT], **common, sub_block_size=2, explanation_sub_block_size=2, grammar=grammar(tok))
+    assert same.sequences == plain.sequences and same.steps == plain.steps
+    split = diffusion_generate(model, [PROMPT], **common, sub_block_size=2, explanation_sub_block_size=8, grammar=grammar(tok))
+    assert judge(tok, split.sequences[0]).valid_permutation
+    steps = split.steps[0] + split.tail_steps[0]
+    l0 = 4 * 4 + 8  # the answer fills blocks 0-2 exactly
+    for start in range(0, l0, 2):  # one token per step: a sub-block's steps all come before the next one's
+        if start + 2 < l0 and start % 8 != 6:
+            assert max(steps[start : start + 2]) < min(steps[start + 2 : start + 4])
+    explanation = [steps[b : b + 8] for b in range(l0, len(steps) - 7, 8)]
+    assert any(blk != sorted(blk) for blk in explanation)  # whole blocks: not left to right
+    with pytest.raises(ValueError, match="must be >= 1 and divide"):
+        diffusion_generate(model, [PROMPT], **common, explanation_sub_block_size=3, grammar=grammar(tok))
 
 
 def test_errors(tok, ids) -> None:

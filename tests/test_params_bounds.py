@@ -134,10 +134,12 @@ BOUNDS: dict[str, dict[str, B]] = {
     "evaluate": {
         "batch_size": COUNT, "max_new_tokens": COUNT, "max_examples": CAP, "diffusion_max_examples": CAP,
         "seed": SEED, "bootstrap": COUNT, "tau": UNIT, "sub_block_size": I(ge=1, optional=True),
-        "naive_block_size": COUNT,
+        "naive_block_size": COUNT, "explanation_tau": F(ge=0, le=1, optional=True),
+        "explanation_sub_block_size": I(ge=1, optional=True),
     },
     "evaluate.bench": {
         "taus": F(ge=0, le=1, listed=True), "batch_sizes": I(ge=1, listed=True), "examples": COUNT,
+        "explanation_taus": F(ge=0, le=1, listed=True), "explanation_sub_block_size": I(ge=1, optional=True),
         "sub_block_sizes": I(ge=1, listed=True), "spec_draft_len": COUNT, "spec_steps": COUNT,
     },
 }
