@@ -37,6 +37,8 @@ Rows (one per decoder, model, threshold, sub-block size and batch size):
     recall@1, ndcg@3, valid_format_rate, valid_permutation_rate
     grammar_changed_rate: under constrained decoding, the share of answers the
         grammar changed (None when unconstrained)
+    explanation_nll_gr2: with a scorer, GR2's mean NLL per explanation token
+        (`rerank_eval.explanation_nll`; None without one)
     draft_len, draft_steps, mean_accepted_length, ar_forwards_per_token,
     draft_forwards_per_token, equal_to_gr2: speculative rows only (None
         elsewhere), see below
@@ -58,13 +60,14 @@ import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import polars as pl
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from gr2model.ar_decode import ar_generate, hf_generate
 from gr2model.block_diffusion import block_diffusion_settings
 from gr2model.diffusion_decode import diffusion_generate
-from gr2model.rerank_eval import LMRerankResult, lm_rerank, speculative_kwargs
+from gr2model.rerank_eval import LMRerankResult, explanation_nll, lm_rerank, speculative_kwargs
 from gr2model.rerank_format import FormatConfig, ItemText, rerank_metrics
 from gr2model.speculative import SpeculativeDecodeOutput
 
@@ -73,7 +76,7 @@ log = logging.getLogger(__name__)
 SPEED_FIELDS = (
     "decoder", "model", "tau", "sub_block_size", "explanation_tau", "explanation_sub_block_size", "batch_size", "n", "seconds", "tokens_per_s", "speedup", "nfe_per_token",
     "tokens_per_forward", "forward_cost", "projected_speedup", "response_tokens", "recall@1", "ndcg@3", "valid_format_rate", "valid_permutation_rate",
-    "grammar_changed_rate", "draft_len", "draft_steps", "mean_accepted_length", "ar_forwards_per_token", "draft_forwards_per_token",
+    "grammar_changed_rate", "explanation_nll_gr2", "draft_len", "draft_steps", "mean_accepted_length", "ar_forwards_per_token", "draft_forwards_per_token",
     "equal_to_gr2",
 )  # fmt: skip
 # The fields only speculative rows fill (None on the others).
@@ -184,6 +187,7 @@ def decode_benchmark(
     constrained: bool = False,
     explanation_taus: Sequence[float] = (),
     explanation_sub_block_size: int | None = None,
+    scorer: PreTrainedModel | None = None,
 ) -> list[dict[str, Any]]:
     """Decode `lists` with every decoder, threshold and batch size; one row each (module docstring).
 
@@ -212,6 +216,9 @@ def decode_benchmark(
             at e (`explanation_threshold`) and the answer at tau, with
             `explanation_sub_block_size` past the answer when given (a
             divisor of the block; the model is skipped for it otherwise).
+        scorer: an AR model (GR2) that scores every row's explanations
+            (`explanation_nll_gr2`, `rerank_eval.explanation_nll`): what the
+            faster settings cost the explanation. None: not scored.
     Returns:
         The rows, AR first within each batch size, then diffusion, then
         speculative; `speedup` is relative to the faster of "ar" and "hf" at
@@ -236,6 +243,9 @@ def decode_benchmark(
         ar = (ar_outs["ar"].seconds / max(ar_outs["ar"].nfe, 1), batch_rows[0]["tokens_per_forward"])
         for r, out in zip(batch_rows, ar_outs.values(), strict=True):
             _relative_to(r, out, best_ar, ar)
+            if scorer is not None:
+                nll = explanation_nll(scorer, tok, lists, items, fmt, out.sequences)
+                r["explanation_nll_gr2"] = float(np.nanmean(nll)) if np.isfinite(nll).any() else None
             if on_row:
                 on_row(r)  # after the speed-up is known
         for name, model in diffusion_models.items():
@@ -264,6 +274,9 @@ def decode_benchmark(
                             "diffusion", name, tau, bs, out, targets, sub_block_size=sub, explanation_tau=expl,
                             explanation_sub_block_size=extra.get("explanation_sub_block_size"),
                         )  # fmt: skip
+                        if scorer is not None:
+                            nll = explanation_nll(scorer, tok, lists, items, fmt, out.sequences)
+                            row["explanation_nll_gr2"] = float(np.nanmean(nll)) if np.isfinite(nll).any() else None
                         batch_rows.append(_relative_to(row, out, best_ar, ar))
                         if on_row:
                             on_row(row)
@@ -299,6 +312,8 @@ def speed_table(rows: Sequence[Mapping[str, Any]]) -> str:
         cols = cols[:3] + ("sub_block_size",) + cols[3:]
     if any(r.get("grammar_changed_rate") is not None for r in rows):
         cols += ("grammar_changed_rate",)
+    if any(r.get("explanation_nll_gr2") is not None for r in rows):
+        cols += ("explanation_nll_gr2",)
     if any(r.get("decoder") == "spec" for r in rows):
         cols += SPEC_FIELDS
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]

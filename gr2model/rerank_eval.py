@@ -12,13 +12,15 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import polars as pl
+import torch
 from accelerate import PartialState
 from accelerate.utils import gather_object
 from tqdm.auto import tqdm
 
 from gr2model.ar_decode import DecodeOutput, ar_generate
 from gr2model.block_diffusion import block_diffusion_settings
-from gr2model.constrained import ResponseGrammar, covers
+from gr2model.constrained import ResponseGrammar, answer_template, covers
+from gr2model.dapo import sequence_logprobs
 from gr2model.diffusion_decode import check_sub_block_size, diffusion_generate
 from gr2model.speculative import DiffusionDrafter, Drafter, SpeculativeDecodeOutput, speculative_generate
 from gr2model.rerank_format import FormatConfig, ItemText, ParsedResponse, build_prompt, evidence_of, parse_response
@@ -195,3 +197,38 @@ def lm_rerank(
     parsed = [parse_response(t, c, items, fmt=fmt) for t, c in zip(texts, candidates, strict=True)]
     log.info("%s: %d rows, %d tokens in %.1f s (%.0f tok/s)", desc, len(parsed), gen, seconds, gen / max(seconds, 1e-9))
     return LMRerankResult(parsed, texts, gen, nfe, seconds, sequences, outputs)
+
+
+@torch.inference_mode()
+def explanation_nll(
+    scorer, tok, lists: pl.DataFrame, items: ItemText, fmt: FormatConfig, sequences: Sequence[Sequence[int]], *,
+    batch_size: int = 64,
+) -> np.ndarray:
+    """(n,) each answer's mean negative log-likelihood per token of its explanation under `scorer`.
+
+    The explanation is everything after the answer-first template (its words and
+    the closing `" } eos`), scored by an AR model (`scorer`, e.g. GR2) given the
+    prompt and the answer before it, teacher-forced. It says how much an
+    explanation reads like what the scorer would write: a parallel decoder that
+    commits the explanation loosely writes repeats and fragments that GR2 finds
+    unlikely. NaN where the answer is not longer than the template. Needs the
+    format the grammar covers (`gr2model.constrained.covers`): ValueError otherwise.
+    """
+    if not covers(fmt):
+        raise ValueError(f"explanation_nll needs the answer-first index format, not answer={fmt.answer!r} answer_first={fmt.answer_first}")
+    if len(sequences) != lists.height:
+        raise ValueError(f"{len(sequences)} answers for {lists.height} lists")
+    pad = special_ids(tok)["pad"]
+    prompts = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts_of(lists, items, fmt)]
+    starts = [len(answer_template(len(c))) for c in lists["candidates"].to_list()]
+    out = np.full(len(sequences), np.nan)
+    for lo in range(0, len(sequences), batch_size):
+        rows = [i for i in range(lo, min(lo + batch_size, len(sequences))) if len(sequences[i]) > starts[i]]
+        if not rows:
+            continue
+        logp, mask = sequence_logprobs(scorer, [prompts[i] for i in rows], [list(sequences[i]) for i in rows], pad)
+        cols = torch.arange(logp.shape[1], device=logp.device)
+        for j, i in enumerate(rows):
+            keep = (cols >= starts[i]) & (mask[j] > 0)
+            out[i] = float(-logp[j][keep].mean())
+    return out

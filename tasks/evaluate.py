@@ -46,7 +46,8 @@ from gr2model.checkpoint import load_hf_checkpoint
 from gr2model.constrained import covers
 from gr2model.data import load_prepared
 from gr2model.rerank_eval import (
-    LMRerankResult, decoder_kwargs, fixed_rankings, lm_rerank, random_rankings, rerank_examples, speculative_kwargs,
+    LMRerankResult, decoder_kwargs, explanation_nll, fixed_rankings, lm_rerank, random_rankings, rerank_examples,
+    speculative_kwargs,
 )  # fmt: skip
 from gr2model.metrics import bootstrap_ci, per_example_gain
 from gr2model.rerank_format import RERANK_METRIC_NAMES, ItemText, ParsedResponse, rerank_metrics, target_ranks
@@ -75,7 +76,10 @@ DIFFUSION_MODELS: dict[str, Path] = {
 SPEC_PREFIX = "spec-"  # `spec-<drafter>`: GR2 verifying that diffusion model's drafts (ARCHITECTURE.md)
 # The paper's ablation: each row adds one stage to the one before it.
 ABLATION = ("prerank", "gr2", NAIVE, *DIFFUSION_MODELS)
-ABLATION_METRICS = ("recall@1", "recall@3", "ndcg@3", "valid_format_rate", "valid_permutation_rate", "copy_incoming_rate", "grammar_changed_rate")
+ABLATION_METRICS = (
+    "recall@1", "recall@3", "ndcg@3", "valid_format_rate", "valid_permutation_rate", "copy_incoming_rate", "grammar_changed_rate",
+    "explanation_nll_gr2",
+)  # fmt: skip
 # Metrics that get a bootstrap interval and paired differences (the contract in ARCHITECTURE.md).
 CI_METRICS = ("recall@1", "ndcg@3")
 
@@ -284,6 +288,7 @@ def decoding_note(cfg: EvaluateConfig) -> str:
         note += f", sub-blocks of {cfg.sub_block_size}"
     if cfg.constrained:
         note += "; every LM row under the answer grammar (grammar_changed_rate: the answers it changed)"
+    note += "; explanation_nll_gr2: GR2's mean NLL per explanation token"
     return note
 
 
@@ -399,7 +404,7 @@ def run_bench(
         max_new_tokens=cfg.max_new_tokens, on_row=on_row, sub_block_sizes=tuple(cfg.bench.sub_block_sizes),
         drafters=drafters, draft_len=cfg.bench.spec_draft_len, draft_steps=cfg.bench.spec_steps,
         constrained=cfg.constrained and covers(fmt), explanation_taus=tuple(cfg.bench.explanation_taus),
-        explanation_sub_block_size=cfg.bench.explanation_sub_block_size,
+        explanation_sub_block_size=cfg.bench.explanation_sub_block_size, scorer=gr2 if covers(fmt) else None,
     )  # fmt: skip
     if results:
         mark_every_example(rows, results, cfg)
@@ -445,12 +450,21 @@ def run(cfg: EvaluateConfig, root: Path, log: logging.Logger, tracker: StageTrac
             results[baseline][name], ranks[baseline][name] = scored(fixed_rankings(rankings, incoming), targets)
 
     gr2_tokens: dict[str, list[list[int]]] = {}  # split -> the gr2 row's tokens, the spec row's reference
+    # GR2 scores every LM row's explanations (`explanation_nll`): how much they read like its own.
+    scorer = None
+    if covers(fmt) and (root / GR2).exists() and state.is_main_process:
+        scorer = load_hf_checkpoint(root / GR2)[0].eval()
 
     def evaluate_model(model_name: str, model: Any, tok: Any, on: dict[str, pl.DataFrame]) -> None:
         results[model_name], ranks[model_name] = {}, {}
         for name, df in on.items():
             with timed(log, f"{model_name} on {name} ({df.height} examples)", timings, f"{model_name}_{name}_s"):
                 results[model_name][name], ranks[model_name][name], out = _decode_eval(model_name, model.to(state.device), tok, df, items, fmt, cfg, state=state)
+            if scorer is not None:
+                with timed(log, f"{model_name} on {name}: explanations scored by GR2", timings, f"{model_name}_{name}_nll_s"):
+                    nll = explanation_nll(scorer, tok, df, items, fmt, out.sequences, batch_size=cfg.batch_size)
+                if np.isfinite(nll).any():
+                    results[model_name][name]["explanation_nll_gr2"] = float(np.nanmean(nll))
             if model_name == "gr2":
                 gr2_tokens[name] = out.sequences
                 if cfg.constrained and covers(fmt) and cfg.spec_row:

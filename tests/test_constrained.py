@@ -7,6 +7,7 @@ the grammar must still turn into valid rankings.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from transformers.modeling_utils import slice_logits_to_keep
@@ -14,7 +15,7 @@ from transformers.modeling_utils import slice_logits_to_keep
 from gr2model.ar_decode import ar_generate
 from gr2model.constrained import ResponseGrammar, answer_template
 from gr2model.diffusion_decode import diffusion_generate
-from gr2model.rerank_eval import lm_rerank
+from gr2model.rerank_eval import explanation_nll, lm_rerank, prompts_of
 from gr2model.rerank_format import EOS, FormatConfig, build_response, parse_response
 from gr2model.tokenizer import special_ids
 
@@ -262,3 +263,25 @@ def test_lm_rerank_constrained(tok) -> None:
     assert all(o.constrained is not None for o in out.outputs)
     with pytest.raises(ValueError, match="answer-first index"):
         lm_rerank(model, tok, lists, toy_items(), FormatConfig(history_len=0, with_attributes=False), max_new_tokens=MAX_NEW, constrained=True)
+
+
+def test_explanation_nll(tok) -> None:
+    """GR2's NLL per token of what follows the template: low for the explanation it writes itself,
+    high for another; NaN for an answer that stops inside the template."""
+    import polars as pl
+
+    lists = pl.DataFrame({"history": [[1], [2]], "candidates": [CANDIDATES, CANDIDATES], "target": [2, 3]})
+    prompt_len = len(tok(prompts_of(lists, toy_items(), FMT)[0], add_special_tokens=False)["input_ids"])
+    own = answer_ids(tok, [2, 1, 4, 3], ["because", "first", "likes"])
+    other = answer_ids(tok, [2, 1, 4, 3], ["likes", "likes", "because"])
+
+    class Writer(Scripted):  # writes `own` after a prompt of this length
+        def forward(self, input_ids, position_ids=None, **kw):
+            return super().forward(input_ids, position_ids=position_ids - prompt_len + len(PROMPT), **kw)
+
+    scorer = Writer(own, len(tok))
+    nll = explanation_nll(scorer, tok, lists, toy_items(), FMT, [own, other])
+    assert nll[0] < 0.01 < 1.0 < nll[1]
+    assert np.isnan(explanation_nll(scorer, tok, lists, toy_items(), FMT, [own[:10], own]))[0]
+    with pytest.raises(ValueError, match="answer-first index"):
+        explanation_nll(scorer, tok, lists, toy_items(), FormatConfig(history_len=0, with_attributes=False), [own, own])
