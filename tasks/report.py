@@ -143,7 +143,8 @@ def parity_point(
     A row that `evaluate` also decoded on every example (its `every_example_*` fields,
     `tasks.evaluate.mark_every_example`) is judged on those: the paired R@1 difference to GR2
     and the valid-format rate over every validation and test example. The others are judged on
-    the bench's own examples, where one example is worth 1/n of R@1."""
+    the bench's own n examples only when one example (1/n of R@1) is within `tolerance`: on
+    64 examples one lucky hit is 0.016, three times the tolerance, and would crown any setting."""
     ar = ar_reference(rows, batch_size)
     if ar is None or _number(ar.get("recall@1")) is None:
         return None
@@ -151,9 +152,12 @@ def parity_point(
     def matches(r: Mapping[str, Any]) -> bool:
         if (d := _number(r.get("every_example_recall@1_vs_gr2"))) is not None:
             return d >= -tolerance and (_number(r.get("every_example_valid_format_rate")) or -1.0) >= min_valid
-        return (_number(r.get("recall@1")) or -1.0) >= float(ar["recall@1"]) - tolerance and (
-            _number(r.get("valid_format_rate")) or -1.0
-        ) >= min_valid
+        n = _number(r.get("n")) or 0
+        return (
+            n > 0 and 1.0 / n <= tolerance
+            and (_number(r.get("recall@1")) or -1.0) >= float(ar["recall@1"]) - tolerance
+            and (_number(r.get("valid_format_rate")) or -1.0) >= min_valid
+        )  # fmt: skip
 
     ok = [
         r

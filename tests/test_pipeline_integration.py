@@ -79,6 +79,10 @@ def test_dvc_outputs_and_metrics(smoke_run: dict[str, Any]) -> None:
             assert set(m) >= {"recall@1", "recall@3", "recall@5", "ndcg@3", "ndcg@5", "valid_format_rate", "valid_permutation_rate", "copy_incoming_rate", "n"}
             assert m["n"] > 0
     assert evaluation["prerank"]["test"]["copy_incoming_rate"] == 1.0
+    for model in ("gr2", "dgr2-naive", "dgr2"):  # every LM row decodes under the answer grammar, its explanations scored
+        for split in ("valid", "test"):
+            m = evaluation[model][split]
+            assert m["valid_permutation_rate"] == 1.0 and 0.0 <= m["grammar_changed_rate"] <= 1.0 and m["explanation_nll_gr2"] > 0
     # The speculative row: GR2 verifying dgr2's drafts, on the same examples as the gr2 row. Its tokens
     # must equal GR2's; a tiny smoke model may have floating-point near-ties, hence a majority here (the
     # exact check is tests/test_speculative_wiring.py on tiny random models, and the default run).
@@ -89,8 +93,13 @@ def test_dvc_outputs_and_metrics(smoke_run: dict[str, Any]) -> None:
     assert "## Speculative decoding" in (ws / "reports/evaluate.md").read_text()
     speed = json.loads((ws / "metrics/speed.json").read_text())
     # smoke bench: batch sizes 1 and 4; AR (ours, HF) + dgr2-cft and dgr2 at two thresholds each,
-    # whole blocks and sub-blocks of 8 + GR2 verifying the drafts of each drafter stage (naive, cft, opd, rl)
-    assert len(speed["rows"]) == 2 * (2 + 2 * 2 * 2 + 4)
+    # whole blocks and sub-blocks of 8, + at tau 0.9 the explanation at 0.5 (constrained) + GR2
+    # verifying the drafts of each drafter stage (naive, cft, opd, rl)
+    assert len(speed["rows"]) == 2 * (2 + 2 * 2 * 2 + 2 * 2 + 4)
+    diffusion_rows = [r for r in speed["rows"] if r["decoder"] == "diffusion"]
+    assert all(r["valid_format_rate"] == 1.0 and r["grammar_changed_rate"] is not None for r in diffusion_rows)  # under the grammar
+    assert sorted({(r["tau"], r["explanation_tau"]) for r in diffusion_rows}, key=str) == [(0.5, None), (0.9, 0.5), (0.9, None)]
+    assert all(r["explanation_nll_gr2"] is not None for r in speed["rows"] if r["decoder"] != "spec")
     spec_rows = [r for r in speed["rows"] if r["decoder"] == "spec"]
     assert sorted((r["model"], r["batch_size"]) for r in spec_rows) == [
         (m, b) for m in ("dgr2", "dgr2-cft", "dgr2-naive", "dgr2-opd") for b in (1, 4)
