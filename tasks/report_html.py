@@ -311,7 +311,8 @@ def section_speed(inputs: ReportInputs) -> str:
         f"Speed-up is tokens per second over the best AR decoder for GR2's weights at the same batch size, measured in the same run. "
         f"Parity point: the fastest diffusion setting whose R@1 is within {PARITY_R1_TOLERANCE} of AR's and whose valid-format rate "
         f"is at least {PARITY_MIN_VALID_FORMAT} (the promotion gates' bar), judged on every validation and test example for the "
-        f"setting the accuracy table decodes, else on these examples; the labels on the right-hand points are tau.</p>"
+        f"setting the accuracy table decodes, else on these examples if one of them is worth no more than the tolerance; "
+        f"the labels on the right-hand points are tau.</p>"
     )
     parts = [head]
     summary = []
@@ -320,7 +321,8 @@ def section_speed(inputs: ReportInputs) -> str:
         fastest = max((r for r in rows if r.get("batch_size") == bs and r.get("decoder") == "diffusion"), key=lambda r: float(r.get("speedup") or 0), default=None)
         summary.append([
             str(bs), f"{float(p['speedup']):.2f}x ({html.escape(str(p['model']))}, {html.escape(setting_label(p))})" if p else "none",
-            f"{float(fastest['speedup']):.2f}x ({html.escape(str(fastest['model']))}, tau {fastest['tau']}, R@1 {_fmt(fastest.get('recall@1'))}, valid {_fmt(fastest.get('valid_format_rate'))})" if fastest else "-",
+            f"{float(fastest['speedup']):.2f}x ({html.escape(str(fastest['model']))}, {html.escape(setting_label(fastest))}, R@1 {_fmt(fastest.get('recall@1'))}, valid {_fmt(fastest.get('valid_format_rate'))}"
+            + (f", explanation NLL {_fmt(fastest.get('explanation_nll_gr2'))}" if fastest.get("explanation_nll_gr2") is not None else "") + ")" if fastest else "-",
         ])  # fmt: skip
         parts.append(speed_figure(rows, bs))
     parts.insert(1, table(["batch size", "speed-up at parity", "fastest diffusion setting"], summary))
