@@ -78,7 +78,7 @@ def main() -> None:
             row_forwards = sum(o.nfe * len(o.sequences) for o in result.outputs)
             results[ckpt][split]["tokens_per_forward"] = result.generated_tokens / max(row_forwards, 1)
             if a.constrained:
-                results[ckpt][split]["grammar_changed_rate"] = sum(sum(o.constrained or []) for o in result.outputs) / max(len(result.parsed), 1)
+                results[ckpt][split]["grammar_changed_rate"] = result.grammar_changed_rate
         add_intervals(results, ranks, n_boot=2000, seed=0)  # evaluate's intervals: paired differences to prerank
         for split in lists:
             print(json.dumps({"checkpoint": ckpt, "split": split, **results[ckpt][split], "seconds": seconds[split]}), flush=True)

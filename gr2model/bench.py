@@ -60,14 +60,13 @@ import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import numpy as np
 import polars as pl
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from gr2model.ar_decode import ar_generate, hf_generate
 from gr2model.block_diffusion import block_diffusion_settings
 from gr2model.diffusion_decode import diffusion_generate
-from gr2model.rerank_eval import LMRerankResult, explanation_nll, lm_rerank, speculative_kwargs
+from gr2model.rerank_eval import LMRerankResult, lm_rerank, mean_explanation_nll, speculative_kwargs
 from gr2model.rerank_format import FormatConfig, ItemText, rerank_metrics
 from gr2model.speculative import SpeculativeDecodeOutput
 
@@ -127,7 +126,6 @@ def _row(
 ) -> dict[str, Any]:
     m = rerank_metrics(out.parsed, targets)
     tokens = max(out.generated_tokens, 1)
-    changed = [c for o in out.outputs for c in (o.constrained or [])]
     return {
         "decoder": decoder,
         "model": model,
@@ -149,7 +147,7 @@ def _row(
         "ndcg@3": m["ndcg@3"],
         "valid_format_rate": m["valid_format_rate"],
         "valid_permutation_rate": m["valid_permutation_rate"],
-        "grammar_changed_rate": sum(changed) / len(changed) if changed else None,
+        "grammar_changed_rate": out.grammar_changed_rate,
         **dict.fromkeys(SPEC_FIELDS),
     }
 
@@ -244,8 +242,7 @@ def decode_benchmark(
         for r, out in zip(batch_rows, ar_outs.values(), strict=True):
             _relative_to(r, out, best_ar, ar)
             if scorer is not None:
-                nll = explanation_nll(scorer, tok, lists, items, fmt, out.sequences)
-                r["explanation_nll_gr2"] = float(np.nanmean(nll)) if np.isfinite(nll).any() else None
+                r["explanation_nll_gr2"] = mean_explanation_nll(scorer, tok, lists, items, fmt, out.sequences)
             if on_row:
                 on_row(r)  # after the speed-up is known
         for name, model in diffusion_models.items():
@@ -275,8 +272,7 @@ def decode_benchmark(
                             explanation_sub_block_size=extra.get("explanation_sub_block_size"),
                         )  # fmt: skip
                         if scorer is not None:
-                            nll = explanation_nll(scorer, tok, lists, items, fmt, out.sequences)
-                            row["explanation_nll_gr2"] = float(np.nanmean(nll)) if np.isfinite(nll).any() else None
+                            row["explanation_nll_gr2"] = mean_explanation_nll(scorer, tok, lists, items, fmt, out.sequences)
                         batch_rows.append(_relative_to(row, out, best_ar, ar))
                         if on_row:
                             on_row(row)

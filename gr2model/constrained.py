@@ -54,8 +54,11 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from gr2model.rerank_format import EOS, EXPLANATION_KEY, MAX_POSITIONS, RECOMMENDATIONS_KEY, SPECIAL_TOKENS, FormatConfig, pos_token
+from gr2model.tokenizer import single_token_id
 
-__all__ = ["GrammarState", "ResponseGrammar", "answer_template", "check_grammar", "constrained_proposals", "covers"]
+__all__ = [
+    "GrammarState", "ResponseGrammar", "answer_template", "check_covered", "check_grammar", "constrained_proposals", "covers",
+]  # fmt: skip
 
 # Position codes of `ResponseGrammar.codes` (a code >= 0 is the fixed token's id).
 SLOT, WORD = -1, -2
@@ -64,6 +67,12 @@ SLOT, WORD = -1, -2
 def covers(fmt: FormatConfig) -> bool:
     """Whether the grammar describes this format's answers (answer "index", written first)."""
     return fmt.answer == "index" and fmt.answer_first
+
+
+def check_covered(fmt: FormatConfig, what: str) -> None:
+    """Raise ValueError naming `what` unless the grammar covers `fmt` (`covers`)."""
+    if not covers(fmt):
+        raise ValueError(f"{what} needs the answer-first index format, not answer={fmt.answer!r} answer_first={fmt.answer_first}")
 
 
 def answer_template(k: int) -> list[str]:
@@ -97,24 +106,22 @@ class ResponseGrammar:
             raise ValueError(f"vocab_size {vocab} is smaller than the tokenizer's {len(tokenizer)} tokens")
 
         def tid(token: str) -> int:
-            idx = tokenizer.convert_tokens_to_ids(token)
-            if not isinstance(idx, int) or tokenizer.convert_ids_to_tokens(idx) != token:
-                raise KeyError(f"constrained decoding: the tokenizer has no single token {token!r}")
-            return idx
+            return single_token_id(tokenizer, token)
 
         self.quote, self.close, self.eos = tid('"'), tid("}"), tid(EOS)
         if not ks:
             raise ValueError("a grammar needs at least one row")
         self.pos_ids = torch.tensor([tid(pos_token(p)) for p in range(1, max(ks) + 1)], device=device)
-        rows = []
+        rows, template_len = [], []
         for k in ks:
             template = answer_template(k)
+            template_len.append(len(template))
             if len(template) + 3 > max_new_tokens:
                 raise ValueError(f"max_new_tokens {max_new_tokens} is too short for an answer to {k} candidates ({len(template) + 3} tokens without words)")
             fixed = [SLOT if t == "<slot>" else tid(t) for t in template]
             rows.append(fixed + [WORD] * (max_new_tokens - len(fixed) - 3) + [self.quote, self.close, self.eos])
         self.codes = torch.tensor(rows, dtype=torch.long, device=device)
-        self.template_len = torch.tensor([4 * k + 8 for k in ks], dtype=torch.long, device=device)
+        self.template_len = torch.tensor(template_len, dtype=torch.long, device=device)
         # (N, V): the position tokens a row's slots may hold (its first K).
         self.row_slots = torch.zeros((len(ks), vocab), dtype=torch.bool, device=device)
         for r, k in enumerate(ks):

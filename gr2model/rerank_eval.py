@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 
 from gr2model.ar_decode import DecodeOutput, ar_generate
 from gr2model.block_diffusion import block_diffusion_settings
-from gr2model.constrained import ResponseGrammar, answer_template, covers
+from gr2model.constrained import ResponseGrammar, answer_template, check_covered
 from gr2model.dapo import sequence_logprobs
 from gr2model.diffusion_decode import check_sub_block_size, diffusion_generate
 from gr2model.speculative import DiffusionDrafter, Drafter, SpeculativeDecodeOutput, speculative_generate
@@ -125,6 +125,12 @@ class LMRerankResult:
     sequences: list[list[int]] = field(default_factory=list)
     outputs: list[DecodeOutput] = field(default_factory=list)
 
+    @property
+    def grammar_changed_rate(self) -> float | None:
+        """The share of the answers the grammar changed (`DecodeOutput.constrained`); None unconstrained."""
+        changed = [c for o in self.outputs for c in (o.constrained or [])]
+        return sum(changed) / len(changed) if changed else None
+
 
 def lm_rerank(
     model,
@@ -161,9 +167,9 @@ def lm_rerank(
         does not cover (it needs answer "index" written first).
     """
     ids = special_ids(tok)
-    if constrained and not covers(fmt):
-        raise ValueError(f"constrained decoding needs the answer-first index format, not answer={fmt.answer!r} answer_first={fmt.answer_first}")
-    ks = [len(c) for c in lists["candidates"].to_list()]
+    if constrained:
+        check_covered(fmt, "constrained decoding")
+        ks = [len(c) for c in lists["candidates"].to_list()]  # each row's grammar has its K slots
     prompts = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts_of(lists, items, fmt)]
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     batches = [order[start : start + batch_size] for start in range(0, len(order), batch_size)]
@@ -214,8 +220,7 @@ def explanation_nll(
     unlikely. NaN where the answer is not longer than the template. Needs the
     format the grammar covers (`gr2model.constrained.covers`): ValueError otherwise.
     """
-    if not covers(fmt):
-        raise ValueError(f"explanation_nll needs the answer-first index format, not answer={fmt.answer!r} answer_first={fmt.answer_first}")
+    check_covered(fmt, "explanation_nll")
     if len(sequences) != lists.height:
         raise ValueError(f"{len(sequences)} answers for {lists.height} lists")
     pad = special_ids(tok)["pad"]
@@ -232,3 +237,12 @@ def explanation_nll(
             keep = (cols >= starts[i]) & (mask[j] > 0)
             out[i] = float(-logp[j][keep].mean())
     return out
+
+
+def mean_explanation_nll(
+    scorer, tok, lists: pl.DataFrame, items: ItemText, fmt: FormatConfig, sequences: Sequence[Sequence[int]], *,
+    batch_size: int = 64,
+) -> float | None:
+    """The mean of `explanation_nll` over the answers that have an explanation (None when none has)."""
+    nll = explanation_nll(scorer, tok, lists, items, fmt, sequences, batch_size=batch_size)
+    return float(np.nanmean(nll)) if np.isfinite(nll).any() else None

@@ -46,7 +46,7 @@ from gr2model.rerank_format import (
     sid_token,
 )
 
-__all__ = ["build_tokenizer", "extend_pretrained_tokenizer", "special_ids", "format_tokens"]
+__all__ = ["build_tokenizer", "extend_pretrained_tokenizer", "single_token_id", "special_ids", "format_tokens"]
 
 # Named roles of the special tokens, as transformers knows them.
 _ROLES = {"pad_token": PAD, "unk_token": UNK, "bos_token": BOS, "eos_token": EOS, "mask_token": MASK}
@@ -203,17 +203,24 @@ def extend_pretrained_tokenizer(
     return tok
 
 
+def single_token_id(tok: PreTrainedTokenizerBase, token: str) -> int:
+    """The id of `token`, which must be one token of `tok`.
+
+    Raises:
+        KeyError: the tokenizer lacks it as a single token.
+    """
+    idx = tok.convert_tokens_to_ids(token)
+    # An unknown token maps to the unk id (or None): check it maps back.
+    if not isinstance(idx, int) or tok.convert_ids_to_tokens(idx) != token:
+        raise KeyError(f"tokenizer has no single token {token!r}")
+    return idx
+
+
 def special_ids(tok: PreTrainedTokenizerBase) -> dict[str, int]:
     """Ids of the format's special tokens: keys pad, eos, bos, user, assistant, mask.
 
     Raises:
         KeyError: the tokenizer lacks one of them as a single token.
     """
-    out: dict[str, int] = {}
-    for name, token in {"pad": PAD, "eos": EOS, "bos": BOS, "user": USER, "assistant": ASSISTANT, "mask": MASK}.items():
-        idx = tok.convert_tokens_to_ids(token)
-        # An unknown token maps to the unk id (or None): check it maps back.
-        if not isinstance(idx, int) or tok.convert_ids_to_tokens(idx) != token:
-            raise KeyError(f"tokenizer has no single token {token!r}")
-        out[name] = idx
-    return out
+    tokens = {"pad": PAD, "eos": EOS, "bos": BOS, "user": USER, "assistant": ASSISTANT, "mask": MASK}
+    return {name: single_token_id(tok, token) for name, token in tokens.items()}

@@ -46,7 +46,7 @@ from gr2model.checkpoint import load_hf_checkpoint
 from gr2model.constrained import covers
 from gr2model.data import load_prepared
 from gr2model.rerank_eval import (
-    LMRerankResult, decoder_kwargs, explanation_nll, fixed_rankings, lm_rerank, random_rankings, rerank_examples,
+    LMRerankResult, decoder_kwargs, fixed_rankings, lm_rerank, mean_explanation_nll, random_rankings, rerank_examples,
     speculative_kwargs,
 )  # fmt: skip
 from gr2model.metrics import bootstrap_ci, per_example_gain
@@ -273,7 +273,7 @@ def _decode_eval(
     m["tokens_per_s"] = out.generated_tokens / max(out.seconds, 1e-9)
     m["response_tokens"] = out.generated_tokens / max(len(out.parsed), 1)
     if constrained:
-        m["grammar_changed_rate"] = grammar_changed(out)
+        m["grammar_changed_rate"] = out.grammar_changed_rate
     return m, ranks, out
 
 
@@ -290,11 +290,6 @@ def decoding_note(cfg: EvaluateConfig) -> str:
         note += "; every LM row under the answer grammar (grammar_changed_rate: the answers it changed)"
     note += "; explanation_nll_gr2: GR2's mean NLL per explanation token"
     return note
-
-
-def grammar_changed(out: LMRerankResult) -> float:
-    """The share of a constrained decode's answers that the grammar changed (`DecodeOutput.constrained`)."""
-    return sum(sum(o.constrained or []) for o in out.outputs) / max(len(out.parsed), 1)
 
 
 def pick_spec_drafter(names: Sequence[str], available: Iterable[str]) -> str | None:
@@ -462,9 +457,9 @@ def run(cfg: EvaluateConfig, root: Path, log: logging.Logger, tracker: StageTrac
                 results[model_name][name], ranks[model_name][name], out = _decode_eval(model_name, model.to(state.device), tok, df, items, fmt, cfg, state=state)
             if scorer is not None:
                 with timed(log, f"{model_name} on {name}: explanations scored by GR2", timings, f"{model_name}_{name}_nll_s"):
-                    nll = explanation_nll(scorer, tok, df, items, fmt, out.sequences, batch_size=cfg.batch_size)
-                if np.isfinite(nll).any():
-                    results[model_name][name]["explanation_nll_gr2"] = float(np.nanmean(nll))
+                    nll = mean_explanation_nll(scorer, tok, df, items, fmt, out.sequences, batch_size=cfg.batch_size)
+                if nll is not None:
+                    results[model_name][name]["explanation_nll_gr2"] = nll
             if model_name == "gr2":
                 gr2_tokens[name] = out.sequences
                 if cfg.constrained and covers(fmt) and cfg.spec_row:
