@@ -92,11 +92,15 @@ def block_diffusion_mask(
         (N, 1, Q, K) bool, True where the query may attend the key: the 4D
         `attention_mask` that HF models with SDPA use as is.
     """
-    q_blk = block_ids(query_positions, prompt_lengths, block_size)[:, :, None]
-    k_blk = block_ids(key_positions, prompt_lengths, block_size)[:, None, :]
     causal = key_positions[:, None, :] <= query_positions[:, :, None]
-    same_block = (q_blk == k_blk) & (q_blk >= 0)
-    allowed = (causal | same_block) & key_valid[:, None, :] & query_valid[:, :, None]
+    if block_size > 1:
+        q_blk = block_ids(query_positions, prompt_lengths, block_size)[:, :, None]
+        k_blk = block_ids(key_positions, prompt_lengths, block_size)[:, None, :]
+        causal = causal | ((q_blk == k_blk) & (q_blk >= 0))
+    elif block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    # (With B = 1 a block is one position, so the causal test says it all.)
+    allowed = causal & key_valid[:, None, :] & query_valid[:, :, None]
     cols = torch.arange(key_positions.shape[1], device=key_positions.device)
     own = (cols[None, None, :] == query_columns[:, :, None]) & ~query_valid[:, :, None]
     return (allowed | own)[:, None]

@@ -337,6 +337,10 @@ class DiffusionDrafter:
                 rank = open_.long().cumsum(1)
                 chosen = open_ & (rank <= quota[:, None])
                 probs = torch.where(chosen[:, :, None], q, probs)
+            elif step == self.steps - 1:
+                # The last step commits every open position: no ranking needed.
+                tok = logits.argmax(-1)
+                chosen = open_
             else:
                 best, tok = logits.max(-1)
                 # Confidence = max softmax probability, as the block decoder's `propose`.
@@ -346,6 +350,8 @@ class DiffusionDrafter:
                 rank = torch.empty_like(order).scatter_(1, order, torch.arange(k, device=device).expand(rows, -1))
                 chosen = open_ & (rank < quota[:, None])
             tokens = torch.where(chosen, tok, tokens)
+            if step == self.steps - 1:
+                break  # the canvas is not read again
             open_ = open_ & ~chosen
             # Write only the chosen positions (the clamped columns past a row's
             # draft repeat a block position, so a scatter of all could collide).

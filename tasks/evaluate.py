@@ -96,8 +96,8 @@ class BenchParams(StageConfig):
     explanation_sub_block_size: Count | None = None  # those rows' sub-block size past the answer (null: the row's)
     # Speculative rows: GR2 verifies what each of these diffusion models drafts (those that exist).
     spec_models: list[str] = ["dgr2-naive", "dgr2-cft", "dgr2-opd", "dgr2"]
-    spec_draft_len: Count = 8  # tokens drafted per round (the drafter stops at its block end anyway)
-    spec_steps: Count = 2  # denoising forwards of the drafter per round
+    spec_draft_len: Count = 32  # tokens drafted per round (the drafter stops at its block end anyway)
+    spec_steps: Count = 1  # denoising forwards of the drafter per round
 
 
 class EvaluateConfig(StageConfig):
