@@ -307,7 +307,6 @@ class _CachedForward:
 
     def __init__(
         self, model: PreTrainedModel, ids: torch.Tensor, attn: torch.Tensor, block_size: int, span: int, mask_id: int,
-        window: int,
     ) -> None:
         self.model = model
         self.ids, self.attn = ids, attn.bool()
@@ -330,13 +329,12 @@ class _CachedForward:
         self.kept_t = torch.full((rows,), self.prompt_len, dtype=torch.long, device=device)
         self.first: torch.Tensor | None = None  # (N, V) logits predicting each active block's position 0
         self.arange_b = torch.arange(block_size, device=device)
-        # Logits are computed for `window` positions of each active block (the
-        # whole block, or the current sub-block at offset `off`): the LM head
-        # and `propose` cost W rather than B positions. The prefill and every
-        # just-started block are at offset 0.
-        self.arange_w = torch.arange(window, device=device)
-        self.keep_prefill = torch.arange(self.prompt_len - 1, self.prompt_len - 1 + window, device=device)
-        self.keep_ctx = torch.arange(block_size - 1, block_size - 1 + window, device=device)
+        # Logits are computed for W positions of each active block (the whole
+        # block, or the current sub-block of size W at offset `off`, W per call):
+        # the LM head and `propose` cost W rather than B positions. The prefill
+        # and every just-started block are at offset 0; these are sliced to W.
+        self.keep_prefill = self.prompt_len - 1 + self.arange_b
+        self.keep_ctx = block_size - 1 + self.arange_b
         self.keep_denoise = torch.arange(0, block_size - 1, device=device)
 
     def select(self, alive: torch.Tensor, alive_list: list[int]) -> None:
@@ -357,21 +355,24 @@ class _CachedForward:
 
     def __call__(
         self, resp: torch.Tensor, start: torch.Tensor, plen: torch.Tensor, ctx: torch.Tensor | None,
-        ctx_list: list[bool] | None, off: torch.Tensor | None = None,
+        ctx_list: list[bool] | None, off: torch.Tensor | None = None, width: int | None = None,
     ) -> torch.Tensor:
         """(N, W, V) logits predicting the N active blocks' positions (token shift applied).
 
         ctx: None for the prefill; else (N,) bool, the rows whose block just
         finished (`start` already points at their next block), or all False.
-        off: None, the window is the whole block (W = B); else (N,) long, each
-        row's window (its current sub-block, W = S) starts at block position
-        off (0 for the prefill and for rows with ctx). The forward covers the
-        whole block either way: only which logits are kept depends on it.
+        off, width: None, the window is the whole block (W = B); else off is
+        (N,) long, each row's window (its current sub-block, W = width) starts
+        at block position off (0 for the prefill and for rows with ctx). The
+        forward covers the whole block either way: only which logits are kept
+        depends on it.
         """
         bsz, n_act = self.block_size, self.n_act
         rows = resp.shape[0]
         plan = self.plan
         ar = self.arange_b
+        w = bsz if off is None else width
+        assert w is not None, "a window offset needs its width"
         if ctx is None:
             # Prefill: the prompt, then block 0's mask tokens.
             masks = torch.full((rows, n_act), self.mask_id, dtype=torch.long, device=resp.device)
@@ -384,7 +385,7 @@ class _CachedForward:
             self.slot_valid[:, :width] = valid
             plan.start, plan.columns, plan.width = 0, None, width
             mask = block_diffusion_mask(pos, valid, cols, pos, valid, plen, bsz)
-            logits = self._run(input_ids, mask, pos, self.keep_prefill)
+            logits = self._run(input_ids, mask, pos, self.keep_prefill[:w])
             # A copy: `propose` bans the mask column of the returned logits in
             # place, and the raw logits are kept for the block's later steps.
             self.first = logits[:, 0].clone()
@@ -415,7 +416,7 @@ class _CachedForward:
             # Window position i (block position off + i) is predicted at active
             # column off + i - 1; block position 0 (off = 0, i = 0) by the kept
             # `first` instead (clamped to column 0 here, then overwritten).
-            keep = (off[:, None] - 1 + self.arange_w).clamp(min=0)
+            keep = (off[:, None] - 1 + ar[:w]).clamp(min=0)
             logits = self._run(act_tok, mask, act_pos, keep)
             logits[:, 0] = torch.where((off == 0)[:, None], self.first, logits[:, 0])
             return logits
@@ -445,7 +446,7 @@ class _CachedForward:
             mask = self.slot_valid[:, None, None, :width].repeat(1, 1, bsz + n_act, 1)
             mask[:, :, :bsz, start0 + bsz :] = False
             # Every row starts a block here, so every window is at offset 0.
-            logits = self._run(input_ids, mask, pos, self.keep_ctx)
+            logits = self._run(input_ids, mask, pos, self.keep_ctx[:w])
             self.first = logits[:, 0].clone()  # see the prefill
         else:
             plan.start, plan.columns = None, cols
@@ -456,7 +457,7 @@ class _CachedForward:
             )
             # A row with ctx has off = 0; a row without reads its active block
             # at columns B + j, so window position i at B - 1 + off + i.
-            keep = self.keep_ctx if off is None else self.keep_ctx[None] + off[:, None]
+            keep = self.keep_ctx[:w] if off is None else self.keep_ctx[None, :w] + off[:, None]
             logits = self._run(input_ids, mask, pos, keep)
             assert self.first is not None
             # Rows without a finished block keep their block's position-0 logits.
@@ -480,20 +481,18 @@ class _RecomputeForward:
     block, right-padded to the longest; the full block-causal mask applies.
     """
 
-    def __init__(
-        self, model: PreTrainedModel, ids: torch.Tensor, attn: torch.Tensor, block_size: int, window: int
-    ) -> None:
+    def __init__(self, model: PreTrainedModel, ids: torch.Tensor, attn: torch.Tensor, block_size: int) -> None:
         self.model = model
         self.ids, self.attn = ids, attn.bool()
         self.prompt_pos = _left_pad_positions(attn)
-        self.block_size, self.window = block_size, window
+        self.block_size = block_size
 
     def select(self, alive: torch.Tensor, alive_list: list[int]) -> None:
         self.ids, self.attn, self.prompt_pos = self.ids[alive], self.attn[alive], self.prompt_pos[alive]
 
     def __call__(
         self, resp: torch.Tensor, start: torch.Tensor, plen: torch.Tensor, ctx: torch.Tensor | None,
-        ctx_list: list[bool] | None, off: torch.Tensor | None = None,
+        ctx_list: list[bool] | None, off: torch.Tensor | None = None, width: int | None = None,
     ) -> torch.Tensor:
         """(N, W, V) logits, as `_CachedForward.__call__` (ctx is not needed without a cache)."""
         bsz = self.block_size
@@ -508,7 +507,8 @@ class _RecomputeForward:
         # Token shift: block position i is predicted at column prompt_len + start + i - 1.
         keep = prompt_len - 1 + start[:, None] + torch.arange(bsz, device=resp.device)
         if off is not None:
-            keep = keep[:, : self.window] + off[:, None]
+            assert width is not None, "a window offset needs its width"
+            keep = keep[:, :width] + off[:, None]
         return self.model(
             input_ids=input_ids, attention_mask=mask, position_ids=pos, use_cache=False, logits_to_keep=keep
         ).logits
@@ -619,21 +619,21 @@ def diffusion_generate(
     bsz = block_size
     span = math.ceil(max_new_tokens / bsz) * bsz
 
+    # The sub-block size of each step (None: whole blocks). Explanation blocks may have
+    # their own (split_sub): a step whose rows are all in blocks of one kind (always at
+    # batch 1) uses that kind's size; a step mixing them computes the whole block's
+    # logits, and each row's window (of its block's size) restricts its commits.
     sub = sub_block_size
-    # Explanation blocks decoded with their own sub-block size: every step then computes the
-    # whole block's logits, and each row's window (of its block's size) restricts its commits.
     split_sub = explanation_sub_block_size is not None and explanation_sub_block_size != (sub or bsz)
     if split_sub:
         assert grammar is not None and explanation_sub_block_size is not None
         answer_sub, expl_sub = sub or bsz, explanation_sub_block_size
         first_expl_block = (grammar.template_len + bsz - 1) // bsz * bsz  # (N,) first block start past the answer
-        sub = None
-    window = bsz if sub is None else sub  # positions that get logits each step
     forward: _CachedForward | _RecomputeForward
     if use_cache:
-        forward = _CachedForward(model, ids, attn, bsz, span, mask_id, window)
+        forward = _CachedForward(model, ids, attn, bsz, span, mask_id)
     else:
-        forward = _RecomputeForward(model, ids, attn, bsz, window)
+        forward = _RecomputeForward(model, ids, attn, bsz)
     # Per active row: the response so far (mask_id where not committed), the
     # step that committed each position (-1: not yet), the active block's first
     # response index, the prompt length.
@@ -650,7 +650,6 @@ def diffusion_generate(
         out_logp = torch.zeros((batch, span), dtype=torch.float32, device=device)
     lengths = [0] * batch
     ar = torch.arange(bsz, device=device)
-    ar_w = torch.arange(window, device=device)
     changed = torch.zeros(batch, dtype=torch.bool, device=device)
 
     ctx: torch.Tensor | None = None  # None: the next forward is the prefill
@@ -666,20 +665,25 @@ def diffusion_generate(
         after_eos = (committed & (old_tok == eos_id)).cumsum(1) > 0
         in_limit = cols < max_new_tokens
         open_ = ~committed & in_limit & ~after_eos  # (N, B) positions that may be committed
+        step_sub = sub
+        if split_sub:
+            size = torch.where(start >= first_expl_block[rows], expl_sub, answer_sub)
+            sizes = set(size.tolist())
+            if len(sizes) == 1:
+                step_sub = sizes.pop()
+            else:
+                step_sub = None
+                lo = open_.long().argmax(1) // size * size
+                open_ = open_ & (ar >= lo[:, None]) & (ar < (lo + size)[:, None])
         off = win = None
-        if sub is not None:
+        if step_sub is not None and step_sub != bsz:
             # Each row's current sub-block: the leftmost with an open position.
             # Every active row has one (else it would be done or in its next
             # block), and a just-started block is at sub-block 0.
-            off = open_.long().argmax(1) // sub * sub
-            win = off[:, None] + ar_w  # (N, S) block positions of the window
+            off = open_.long().argmax(1) // step_sub * step_sub
+            win = off[:, None] + ar[:step_sub]  # (N, S) block positions of the window
 
-        if split_sub:
-            size = torch.where(start >= first_expl_block[rows], expl_sub, answer_sub)
-            lo = open_.long().argmax(1) // size * size
-            open_ = open_ & (ar >= lo[:, None]) & (ar < (lo + size)[:, None])
-
-        logits = forward(resp, start, plen, ctx, ctx_list, off)
+        logits = forward(resp, start, plen, ctx, ctx_list, off, step_sub)
         step = nfe
         nfe += 1
         # Before `propose`, which bans the mask column in place: the raw log-partition.

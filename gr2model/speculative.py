@@ -247,7 +247,7 @@ class DiffusionDrafter:
         # One extra block: a row may accept up to max_new_tokens tokens and the
         # canvas of its active block must still fit.
         self.span = (math.ceil(max_new_tokens / bsz) + 1) * bsz
-        self.forward = _CachedForward(self.model, ids, attention_mask, bsz, self.span, self.mask_id, bsz)
+        self.forward = _CachedForward(self.model, ids, attention_mask, bsz, self.span, self.mask_id)
         self.plen = attention_mask.sum(-1)
         self.start = torch.zeros(ids.shape[0], dtype=torch.long, device=ids.device)  # active block's first position
         self.prefilled = False

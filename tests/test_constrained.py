@@ -243,6 +243,24 @@ def test_explanation_sub_blocks(tok, ids) -> None:
         diffusion_generate(model, [PROMPT], **common, explanation_sub_block_size=3, grammar=grammar(tok))
 
 
+def test_explanation_sub_blocks_batch_equals_rows_alone(tok, ids) -> None:
+    """Rows with 4, 2 and 3 candidates reach the explanation at different blocks, so a step of the
+    batch mixes answer and explanation blocks (whole-block logits, each row's commits restricted to
+    its window); a row alone always has one kind (that window's logits only). Both give the row
+    the same tokens and steps, cached or recomputed."""
+    model = tiny_model(tok, seed=5, scale=1.0).eval()
+    prompts, ks = [[7, 8, 9], [7, 9, 8, 9, 7, 8], [9, 8]], [4, 2, 3]
+    kw = dict(pad_id=ids["pad"], eos_id=ids["eos"], mask_id=ids["mask"], max_new_tokens=MAX_NEW, block_size=8, threshold=0.3,
+              sub_block_size=2, explanation_sub_block_size=8, explanation_threshold=0.2, return_trace=True)  # fmt: skip
+    batched = diffusion_generate(model, prompts, **kw, grammar=ResponseGrammar(tok, ks, MAX_NEW))
+    recomputed = diffusion_generate(model, prompts, **kw, grammar=ResponseGrammar(tok, ks, MAX_NEW), use_cache=False)
+    assert recomputed.sequences == batched.sequences and recomputed.nfe == batched.nfe
+    for i, (prompt, k) in enumerate(zip(prompts, ks, strict=True)):
+        alone = diffusion_generate(model, [prompt], **kw, grammar=ResponseGrammar(tok, [k], MAX_NEW))
+        assert alone.sequences[0] == batched.sequences[i] and alone.steps[0] == batched.steps[i]
+    assert judge(tok, batched.sequences[0]).valid_permutation  # the row with this test's 4 candidates
+
+
 def test_errors(tok, ids) -> None:
     model = Scripted([ids["eos"]], len(tok))
     with pytest.raises(ValueError, match="greedy only"):

@@ -104,7 +104,7 @@ def test_cached_equals_recompute(model, prompts, mask_id, block_size, monkeypatc
     kinds: set[str] = set()
     call = dd._CachedForward.__call__
 
-    def spy(self, resp, start, plen, ctx, ctx_list, off=None):
+    def spy(self, resp, start, plen, ctx, ctx_list, off=None, width=None):
         assert off is None  # no sub-blocks: the whole-block logits path
         ragged = min(self.kept) != max(self.kept)
         if ctx is None:
@@ -113,7 +113,7 @@ def test_cached_equals_recompute(model, prompts, mask_id, block_size, monkeypatc
             kinds.add("denoise ragged" if ragged else "denoise")
         else:
             kinds.add("finish some" if ragged or not all(ctx_list) else "finish all")
-        return call(self, resp, start, plen, ctx, ctx_list, off)
+        return call(self, resp, start, plen, ctx, ctx_list, off, width)
 
     monkeypatch.setattr(dd._CachedForward, "__call__", spy)
     cached = decode(model, prompts, mask_id, block_size=block_size, threshold=MIXED)
@@ -306,12 +306,12 @@ def test_sub_blocks_cached_equals_recompute(model, prompts, mask_id, block_size,
     kinds: set[str] = set()
     call = dd._CachedForward.__call__
 
-    def spy(self, resp, start, plen, ctx, ctx_list, off=None):
+    def spy(self, resp, start, plen, ctx, ctx_list, off=None, width=None):
         if ctx is not None and any(ctx_list) and not all(ctx_list) and bool((off > 0).any()):
             kinds.add("finish some, later sub-block")
         elif ctx is not None and not any(ctx_list) and bool((off > 0).any()):
             kinds.add("denoise, later sub-block")
-        return call(self, resp, start, plen, ctx, ctx_list, off)
+        return call(self, resp, start, plen, ctx, ctx_list, off, width)
 
     monkeypatch.setattr(dd._CachedForward, "__call__", spy)
     ref = decode(model, prompts, mask_id, block_size=block_size, threshold=0.2, sub_block_size=sub).sequences
