@@ -336,6 +336,11 @@ class _CachedForward:
         self.keep_prefill = self.prompt_len - 1 + self.arange_b
         self.keep_ctx = block_size - 1 + self.arange_b
         self.keep_denoise = torch.arange(0, block_size - 1, device=device)
+        # A per-layer-type mask mapping of None: what HF models take as "no mask"
+        # (None itself would make them build a causal one). Only for models that
+        # name their layer types (Qwen3 and most current HF decoders).
+        layer_types = getattr(model.config, "layer_types", None)
+        self.unmasked = dict.fromkeys(layer_types) if layer_types else None
 
     def select(self, alive: torch.Tensor, alive_list: list[int]) -> None:
         self.cache.batch_select_indices(alive)
@@ -347,9 +352,17 @@ class _CachedForward:
             self.first = self.first[alive]
 
     def _run(self, input_ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        kwargs: dict = {}
+        if self.unmasked is not None and mask.shape[2] == 1 and bool(mask.all()):
+            # Every query sees every key (a denoising step without pads or dummy
+            # slots: always at batch 1). Without a mask, SDPA takes its fused path
+            # and shares the grouped keys/values instead of copying them per head
+            # (measured 1.64 -> 1.35 ms for an 8-token window); is_causal=False
+            # keeps it bidirectional.
+            mask, kwargs = self.unmasked, {"is_causal": False}
         out = self.model(
             input_ids=input_ids, attention_mask=mask, position_ids=pos, cache=self.cache, use_cache=True,
-            logits_to_keep=keep,
+            logits_to_keep=keep, **kwargs,
         )
         return out.logits
 
