@@ -214,6 +214,10 @@ def decode_benchmark(
             at e (`explanation_threshold`) and the answer at tau, with
             `explanation_sub_block_size` past the answer when given (a
             divisor of the block; the model is skipped for it otherwise).
+            e equal to tau gives a row where that changes the decode: the
+            row has sub-blocks and `explanation_sub_block_size` is another
+            size (the explanation at the answer's threshold, in its own
+            sub-blocks: the answer's tokens are the plain row's).
         scorer: an AR model (GR2) that scores every row's explanations
             (`explanation_nll_gr2`, `rerank_eval.explanation_nll`): what the
             faster settings cost the explanation. None: not scored.
@@ -255,7 +259,9 @@ def decode_benchmark(
                     log.warning("bench %s: sub-block size %d does not divide block size %d, skipped", name, sub, block_size)
             for tau in taus:
                 for sub in subs:
-                    for expl in [None, *(e for e in explanation_taus if constrained and e < tau)]:
+                    # e == tau changes only the explanation's sub-blocks: a row only where they differ.
+                    equal_ok = sub is not None and explanation_sub_block_size not in (None, sub)
+                    for expl in [None, *(e for e in explanation_taus if constrained and (e < tau or (e == tau and equal_ok)))]:
                         tag = ("" if sub is None else f" s{sub}") + ("" if expl is None else f" e{expl}")
                         extra: dict[str, Any] = {}
                         if expl is not None:

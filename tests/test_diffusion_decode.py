@@ -434,6 +434,16 @@ def test_benchmark_has_sub_block_rows() -> None:
     assert "| sub_block_size |" in speed_table(rows)
     with pytest.raises(ValueError):
         decode_benchmark(ar, {"d": dgr2}, tok, lists, toy_items(), fmt, sub_block_sizes=[0], **args)
+    # Under the grammar, explanation rows: below tau always; at tau only with sub-blocks whose
+    # explanation size differs (whole blocks after S 2). The answer's tokens are the plain S 2 row's.
+    k = len(TOY_CANDIDATES[0])
+    index_fmt = FormatConfig(history_len=1, with_attributes=False, answer="index", answer_first=True)
+    expl = decode_benchmark(
+        ar, {"d": dgr2}, tok, lists, toy_items(), index_fmt, taus=[0.9], batch_sizes=[2], max_new_tokens=4 * k + 16,
+        sub_block_sizes=[2], constrained=True, explanation_taus=[0.9, 0.5], explanation_sub_block_size=4,
+    )  # fmt: skip
+    settings = [(r["sub_block_size"], r["explanation_tau"], r["explanation_sub_block_size"]) for r in expl if r["decoder"] == "diffusion"]
+    assert settings == [(None, None, None), (None, 0.5, 4), (2, None, None), (2, 0.9, 4), (2, 0.5, 4)]
     # The evaluation's decoder kwargs carry S only when set, and check it against the block size.
     assert "sub_block_size" not in decoder_kwargs(dgr2, 0.9)
     assert decoder_kwargs(dgr2, 0.9, sub_block_size=2)["sub_block_size"] == 2
