@@ -250,7 +250,7 @@ def _record_speculative(root: Path, client: Any, evaluation: dict[str, Any], spe
 
     done = []
     for pair in speculative_pairs(root):
-        mv = find_version(client, SPEC_MODEL, pair.checkpoint_md5)
+        mv = find_version(client, SPEC_MODEL, pair.checkpoint_md5, pair.settings)
         if mv is None:
             continue
         name = SPEC_PREFIX + pair.drafter

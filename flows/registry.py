@@ -488,9 +488,13 @@ def pip_requirements() -> list[str]:
     return [f"{p}=={version(p)}" for p in pkgs] + ["diffusion-gr2"]
 
 
-def find_version(client: MlflowClient, model_name: str, checkpoint_md5: str) -> Any | None:
-    """The registered version made from this checkpoint hash, if any."""
-    found = client.search_model_versions(f"name = '{model_name}' and tag.checkpoint_md5 = '{checkpoint_md5}'")
+def find_version(
+    client: MlflowClient, model_name: str, checkpoint_md5: str, settings: Mapping[str, str] | None = None
+) -> Any | None:
+    """The registered version made from this checkpoint hash (and with these setting tags), if any."""
+    query = f"name = '{model_name}' and tag.checkpoint_md5 = '{checkpoint_md5}'"
+    query += "".join(f" and tag.{key} = '{value}'" for key, value in (settings or {}).items())
+    found = client.search_model_versions(query)
     return found[0] if found else None
 
 
@@ -551,14 +555,16 @@ def _register(
     run_id: str,
     tags: dict[str, str],
     description: Callable[[], str],
+    settings: Mapping[str, str] | None = None,
 ) -> tuple[str, bool]:
     """Log `python_model` with `artifacts` to run `run_id` as a new version of `model_name`, unless a version
-    with tag checkpoint_md5 = `checkpoint_md5` exists; tag it, describe it (`description()`), alias it `challenger`.
+    with tag checkpoint_md5 = `checkpoint_md5` (and the tags `settings`, also among `tags`) exists; tag it,
+    describe it (`description()`), alias it `challenger`.
 
     Returns (version, created).
     """
     client = MlflowClient()
-    existing = find_version(client, model_name, checkpoint_md5)
+    existing = find_version(client, model_name, checkpoint_md5, settings)
     if existing is not None:
         log.info("%s: checkpoint %s is already version %s; not registering again", model_name, checkpoint_md5, existing.version)
         return str(existing.version), False
@@ -606,8 +612,14 @@ class SpeculativePair:
 
     @property
     def checkpoint_md5(self) -> str:
-        """The version's identity: the pair of hashes, so the same pair is never registered twice."""
+        """The version's checkpoints: the pair of hashes."""
         return f"{self.verifier_md5}+{self.drafter_md5}"
+
+    @property
+    def settings(self) -> dict[str, str]:
+        """The drafting settings the version serves with: with the hashes, its identity (a pair drafting
+        otherwise is another version, so a served champion always drafts as it was measured)."""
+        return {"draft_len": str(self.draft_len), "draft_steps": str(self.draft_steps)}
 
 
 def speculative_pairs(root: Path) -> list[SpeculativePair]:
@@ -703,4 +715,5 @@ def register_speculative(pair: SpeculativePair, root: Path, run_id: str, tags: d
         run_id,
         {**tags, **lineage},
         lambda: speculative_description(lineage),
+        settings=pair.settings,
     )

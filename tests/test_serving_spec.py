@@ -176,6 +176,12 @@ def test_version_bundles_both_checkpoints_with_lineage_to_both(registered: Any) 
     # The same pair again (a rerun of the pipeline): no second version.
     assert register_speculative(registered["pair"], registered["root"], runs["evaluate"], {}) == (v["spec-gr2"], False)
     assert len(client.search_model_versions(f"name = '{SPEC_MODEL}'")) == 1
+    # ... unless it drafts otherwise: the drafting settings are part of the version's identity.
+    from flows.registry import find_version
+
+    pair = registered["pair"]
+    assert find_version(client, SPEC_MODEL, pair.checkpoint_md5, pair.settings).version == mv.version
+    assert find_version(client, SPEC_MODEL, pair.checkpoint_md5, {**pair.settings, "draft_steps": str(pair.draft_steps + 1)}) is None
 
 
 def test_evaluation_and_speed_reach_the_version_and_its_gates(registered: Any) -> None:
