@@ -94,12 +94,12 @@ def test_dvc_outputs_and_metrics(smoke_run: dict[str, Any]) -> None:
     speed = json.loads((ws / "metrics/speed.json").read_text())
     # smoke bench: batch sizes 1 and 4; AR (ours, HF) + dgr2-cft and dgr2 at two thresholds each,
     # whole blocks and sub-blocks of 8, + at tau 0.9 the explanation at 0.5 (constrained; whole blocks
-    # and S 8) and at 0.9 in whole blocks after S 8 (evaluate's setting) + GR2 verifying the drafts of
-    # each drafter stage (naive, cft, opd, rl)
-    assert len(speed["rows"]) == 2 * (2 + 2 * 2 * 2 + 2 * 2 + 2 + 4)
+    # and S 8), + at each tau the explanation at that tau in whole blocks after S 8 (evaluate's setting
+    # at 0.9) + GR2 verifying the drafts of each drafter stage (naive, cft, opd, rl)
+    assert len(speed["rows"]) == 2 * (2 + 2 * 2 * 2 + 2 * 2 + 2 * 2 + 4)
     diffusion_rows = [r for r in speed["rows"] if r["decoder"] == "diffusion"]
     assert all(r["valid_format_rate"] == 1.0 and r["grammar_changed_rate"] is not None for r in diffusion_rows)  # under the grammar
-    assert sorted({(r["tau"], r["explanation_tau"]) for r in diffusion_rows}, key=str) == [(0.5, None), (0.9, 0.5), (0.9, 0.9), (0.9, None)]
+    assert sorted({(r["tau"], r["explanation_tau"]) for r in diffusion_rows}, key=str) == [(0.5, 0.5), (0.5, None), (0.9, 0.5), (0.9, 0.9), (0.9, None)]
     # evaluate's setting (tau 0.9, S 8, explanation 0.9 in whole blocks) carries the every-example judgement
     table = [r for r in diffusion_rows if (r["sub_block_size"], r["explanation_tau"], r["explanation_sub_block_size"]) == (8, 0.9, 32)]
     assert table and all("every_example_recall@1_vs_gr2" in r for r in table)
