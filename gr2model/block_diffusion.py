@@ -93,13 +93,10 @@ def block_diffusion_mask(
         `attention_mask` that HF models with SDPA use as is.
     """
     causal = key_positions[:, None, :] <= query_positions[:, :, None]
-    if block_size > 1:
+    if block_size != 1:  # (a block of one position adds nothing to the causal test; block_ids checks B)
         q_blk = block_ids(query_positions, prompt_lengths, block_size)[:, :, None]
         k_blk = block_ids(key_positions, prompt_lengths, block_size)[:, None, :]
         causal = causal | ((q_blk == k_blk) & (q_blk >= 0))
-    elif block_size < 1:
-        raise ValueError(f"block_size must be >= 1, got {block_size}")
-    # (With B = 1 a block is one position, so the causal test says it all.)
     allowed = causal & key_valid[:, None, :] & query_valid[:, :, None]
     cols = torch.arange(key_positions.shape[1], device=key_positions.device)
     own = (cols[None, None, :] == query_columns[:, :, None]) & ~query_valid[:, :, None]

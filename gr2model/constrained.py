@@ -149,6 +149,10 @@ class ResponseGrammar:
     def vocab_size(self) -> int:
         return self.words.shape[0]
 
+    def past_template(self, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """(n, W) bool: which of the rows' response `positions` (< max_new_tokens) lie past the answer template."""
+        return self._region[rows].gather(1, positions)
+
     def _tail_offset(self, tok: torch.Tensor) -> torch.Tensor:
         """Per token: 0 for the quote, 1 for `}`, 2 for eos, -1 for any other."""
         return self._tail_code[tok]
@@ -197,7 +201,7 @@ class ResponseGrammar:
         """
         m = self.codes.shape[1]
         n, w = positions.shape
-        region = self._region[st.rows].gather(1, positions)
+        region = self.past_template(st.rows, positions)
         allowed = torch.zeros((n, w, self.vocab_size), dtype=torch.bool, device=positions.device)
         # Steps inside the template (block 0 mostly) need no anchors, steps in the
         # explanation no template: each half is skipped where it has no position.
@@ -244,14 +248,13 @@ class ResponseGrammar:
         # path of most steps at a high threshold: the rules below keep it).
         if int(chosen.sum(1).max()) <= 1:
             return chosen
-        slots = self.codes[st.rows].gather(1, positions) == SLOT
-        c = chosen & slots
+        c = chosen & self._is_slot[st.rows].gather(1, positions)
         same = (tokens[:, :, None] == tokens[:, None, :]) & c[:, :, None] & c[:, None, :]
         earlier = torch.ones((w, w), dtype=torch.bool, device=tokens.device).tril(-1)  # [i, j]: j < i
         beats = (confidence[:, None, :] > confidence[:, :, None]) | ((confidence[:, None, :] == confidence[:, :, None]) & earlier)
         chosen = chosen & ~(same & beats).any(-1)
 
-        region = positions >= self.template_len[st.rows, None]
+        region = self.past_template(st.rows, positions)
         if not bool((chosen & region).any()):
             # Picks in the template only: no tail nor word among them, and the
             # anchors (which only the explanation's tokens move) stay feasible.

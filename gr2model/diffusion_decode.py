@@ -721,7 +721,7 @@ def diffusion_generate(
         thr: float | torch.Tensor = threshold
         if explanation_threshold is not None:
             assert grammar is not None
-            thr = torch.where(where >= grammar.template_len[rows, None], explanation_threshold, threshold)
+            thr = torch.where(grammar.past_template(rows, where), explanation_threshold, threshold)
         chosen_w = commit_mask(conf, open_w, thr)
         if grammar is not None:
             assert free is not None
