@@ -259,11 +259,12 @@ def _record_speculative(root: Path, client: Any, evaluation: dict[str, Any], spe
         if name in evaluation:
             tags |= _eval_tags(name, pair.checkpoint_md5, evaluation[name])
             what.append("eval")
-        served = (int(mv.tags.get("draft_len", -1)), int(mv.tags.get("draft_steps", -1)))
+        served = (int(mv.tags.get("draft_len", -1)), int(mv.tags.get("draft_steps", -1)), mv.tags.get("draft_mode", "block"))
         rows = [r for r in speed_rows if r.get("decoder") == "spec" and r.get("model") == pair.drafter]
-        if rows and any((r.get("draft_len"), r.get("draft_steps")) != served for r in rows):
-            log.warning("%s version %s drafts %s tokens in %s steps, metrics/speed.json measured %s; speed tags not attached",
-                        SPEC_MODEL, mv.version, *served, sorted({(r.get("draft_len"), r.get("draft_steps")) for r in rows}))  # fmt: skip
+        measured = {(r.get("draft_len"), r.get("draft_steps"), r.get("draft_mode", "block")) for r in rows}
+        if rows and measured != {served}:
+            log.warning("%s version %s drafts %s tokens in %s steps (%s), metrics/speed.json measured %s; speed tags not attached",
+                        SPEC_MODEL, mv.version, *served, sorted(measured))  # fmt: skip
         elif rows:
             tags |= _speed_tags(pair.checkpoint_md5, rows)
             what.append("speed")

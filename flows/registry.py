@@ -445,8 +445,10 @@ class SpeculativeGR2Model(GR2Model):
 
     Artifacts: `checkpoint` (GR2, the AR verifier), `drafter` (a block-diffusion
     checkpoint with GR2's tokenizer), `items`, `format`. model_config adds
-    `draft_len` (tokens drafted per round) and `draft_steps` (drafter forwards
-    per round) to the re-rankers' `num_candidates` and request caps.
+    `draft_len` (tokens drafted per round), `draft_steps` (drafter forwards
+    per round) and `draft_mode` (`gr2model.speculative.diffusion_drafter`;
+    "block" where a version predates it) to the re-rankers' `num_candidates`
+    and request caps.
 
     Requests, checks and output are GR2Model's (the same code). The answers are
     GR2's own, token for token: greedy verification keeps a drafted token only
@@ -469,12 +471,13 @@ class SpeculativeGR2Model(GR2Model):
         if drafter_tok.get_vocab() != self.tok.get_vocab():
             raise ValueError("the drafter's tokenizer differs from GR2's; it must be a diffusion model converted from this GR2")
         self.draft_len, self.draft_steps = int(config["draft_len"]), int(config["draft_steps"])
+        self.draft_mode = str(config.get("draft_mode", "block"))  # versions before the window drafter: blocks
 
     def decoding(self, params: dict[str, Any]) -> dict[str, Any]:
         """Speculative decoding; a fresh drafter state per request (the drafter's cache is per call)."""
         from gr2model.rerank_eval import speculative_kwargs
 
-        return speculative_kwargs(self.drafter, self.draft_steps, self.draft_len)
+        return speculative_kwargs(self.drafter, self.draft_steps, self.draft_len, self.draft_mode)
 
 
 PYFUNC_CLASSES: dict[str, type[mlflow.pyfunc.PythonModel]] = {
@@ -609,6 +612,7 @@ class SpeculativePair:
     drafter_md5: str
     draft_len: int  # tokens drafted per round
     draft_steps: int  # drafter forwards per round
+    draft_mode: str = "block"  # on the drafter's blocks or in a window (gr2model.speculative.diffusion_drafter)
 
     @property
     def checkpoint_md5(self) -> str:
@@ -619,7 +623,7 @@ class SpeculativePair:
     def settings(self) -> dict[str, str]:
         """The drafting settings the version serves with: with the hashes, its identity (a pair drafting
         otherwise is another version, so a served champion always drafts as it was measured)."""
-        return {"draft_len": str(self.draft_len), "draft_steps": str(self.draft_steps)}
+        return {"draft_len": str(self.draft_len), "draft_steps": str(self.draft_steps), "draft_mode": self.draft_mode}
 
 
 def speculative_pairs(root: Path) -> list[SpeculativePair]:
@@ -652,7 +656,10 @@ def speculative_pairs(root: Path) -> list[SpeculativePair]:
         if not verifier_md5 or not drafter_md5 or "draft_len" not in row:
             log.info("%s: dvc.lock's %s entry hashes no %s and %s, or the row has no draft_len; not registered", name, SPEC_STAGE, VERIFIER.checkpoint, stage.checkpoint)
             continue
-        pairs.append(SpeculativePair(drafter, stage.stage, verifier_md5, drafter_md5, int(row["draft_len"]), int(row["draft_steps"])))
+        pairs.append(SpeculativePair(
+            drafter, stage.stage, verifier_md5, drafter_md5, int(row["draft_len"]), int(row["draft_steps"]),
+            str(row.get("draft_mode", "block")),
+        ))  # fmt: skip
     return pairs
 
 
@@ -671,7 +678,7 @@ def speculative_lineage(client: MlflowClient, pair: SpeculativePair) -> dict[str
             f"{role}.model_version": str(mv.version) if mv is not None else "none",
             f"{role}.run_id": (mv.run_id or "") if mv is not None else "none",
         }
-    return tags | {"drafter.name": pair.drafter, "draft_len": str(pair.draft_len), "draft_steps": str(pair.draft_steps)}
+    return tags | {"drafter.name": pair.drafter, **pair.settings}
 
 
 def speculative_description(lineage: Mapping[str, str], evaluation: Mapping[str, Any] | None = None) -> str:
@@ -683,7 +690,8 @@ def speculative_description(lineage: Mapping[str, str], evaluation: Mapping[str,
             f"{lineage[f'{role}.model']} version {lineage[f'{role}.model_version']} ({lineage[f'{role}.checkpoint']}, "
             f"DVC md5 {lineage[f'{role}.checkpoint_md5']}, stage `{lineage[f'{role}.stage']}`) {what}."
         )
-    parts.append(f"{lineage['draft_len']} tokens drafted per round in {lineage['draft_steps']} drafter forwards.")
+    where = "in a window after the accepted tokens" if lineage.get("draft_mode") == "window" else "on the drafter's blocks"
+    parts.append(f"{lineage['draft_len']} tokens drafted per round in {lineage['draft_steps']} drafter forwards, {where}.")
     if sentence := evaluation_sentence(evaluation):
         parts.append(sentence)
     return " ".join(parts)
@@ -700,7 +708,7 @@ def register_speculative(pair: SpeculativePair, root: Path, run_id: str, tags: d
     """
     lineage = speculative_lineage(MlflowClient(), pair)
     log_kwargs = reranker_log_kwargs(root)
-    log_kwargs["model_config"] |= {"draft_len": pair.draft_len, "draft_steps": pair.draft_steps}
+    log_kwargs["model_config"] |= {"draft_len": pair.draft_len, "draft_steps": pair.draft_steps, "draft_mode": pair.draft_mode}
     return _register(
         SPEC_MODEL,
         SPEC_STAGE,

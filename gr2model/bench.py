@@ -39,14 +39,16 @@ Rows (one per decoder, model, threshold, sub-block size and batch size):
         grammar changed (None when unconstrained)
     explanation_nll_gr2: with a scorer, GR2's mean NLL per explanation token
         (`rerank_eval.explanation_nll`; None without one)
-    draft_len, draft_steps, mean_accepted_length, ar_forwards_per_token,
+    draft_len, draft_steps, draft_mode, mean_accepted_length, ar_forwards_per_token,
     draft_forwards_per_token, equal_to_gr2: speculative rows only (None
         elsewhere), see below
 
 Speculative rows (decoder "spec", model: the drafter's name, tau None): GR2
 verifies what the diffusion model drafts (`gr2model.speculative`, greedy), so
 the answers are GR2's own and only the speed differs. draft_len tokens drafted
-per round in draft_steps denoising forwards; mean_accepted_length: draft tokens
+per round in draft_steps denoising forwards, on the drafter's blocks or in a
+window after the accepted tokens (draft_mode "block" or "window",
+`gr2model.speculative.diffusion_drafter`); mean_accepted_length: draft tokens
 accepted per row verification; ar_forwards_per_token and
 draft_forwards_per_token: each model's forwards per generated token of one row
 (as nfe_per_token, which is their sum); equal_to_gr2: the share of examples
@@ -75,7 +77,7 @@ log = logging.getLogger(__name__)
 SPEED_FIELDS = (
     "decoder", "model", "tau", "sub_block_size", "explanation_tau", "explanation_sub_block_size", "batch_size", "n", "seconds", "tokens_per_s", "speedup", "nfe_per_token",
     "tokens_per_forward", "forward_cost", "projected_speedup", "response_tokens", "recall@1", "ndcg@3", "valid_format_rate", "valid_permutation_rate",
-    "grammar_changed_rate", "explanation_nll_gr2", "draft_len", "draft_steps", "mean_accepted_length", "ar_forwards_per_token", "draft_forwards_per_token",
+    "grammar_changed_rate", "explanation_nll_gr2", "draft_len", "draft_steps", "draft_mode", "mean_accepted_length", "ar_forwards_per_token", "draft_forwards_per_token",
     "equal_to_gr2",
 )  # fmt: skip
 # The fields only speculative rows fill (None on the others).
@@ -182,6 +184,7 @@ def decode_benchmark(
     drafters: Mapping[str, PreTrainedModel] | None = None,
     draft_len: int = 8,
     draft_steps: int = 2,
+    draft_mode: str = "block",
     constrained: bool = False,
     explanation_taus: Sequence[float] = (),
     explanation_sub_block_size: int | None = None,
@@ -204,7 +207,8 @@ def decode_benchmark(
             skipped for that S (logged). Empty (default): no such rows.
         drafters: name -> block-diffusion model: one speculative row each
             ("spec", module docstring), GR2 verifying its drafts of
-            `draft_len` tokens made in `draft_steps` forwards. None: no such rows.
+            `draft_len` tokens made in `draft_steps` forwards, on its blocks or in a
+            window (`draft_mode`, `gr2model.speculative.diffusion_drafter`). None: no such rows.
         constrained: decode the diffusion rows under the answer grammar
             (`gr2model.constrained`; their grammar_changed_rate says how many
             answers it changed). The AR rows stay unconstrained: the faster AR
@@ -285,11 +289,11 @@ def decode_benchmark(
         for name, drafter_model in drafters.items():
             out = lm_rerank(
                 ar_model, tok, lists, items, fmt, desc=f"bench spec {name} k{draft_len} b{bs}",
-                **speculative_kwargs(drafter_model, draft_steps, draft_len), **common,
+                **speculative_kwargs(drafter_model, draft_steps, draft_len, draft_mode), **common,
             )  # fmt: skip
             row = _relative_to(_row("spec", name, None, bs, out, targets), out, best_ar, ar)
             row.update(
-                draft_len=draft_len, draft_steps=draft_steps,
+                draft_len=draft_len, draft_steps=draft_steps, draft_mode=draft_mode,
                 equal_to_gr2=equal_share(out.sequences, ar_sequences), **speculative_stats(out),
             )  # fmt: skip
             batch_rows.append(row)

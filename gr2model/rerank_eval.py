@@ -22,7 +22,7 @@ from gr2model.block_diffusion import block_diffusion_settings
 from gr2model.constrained import ResponseGrammar, answer_template, check_covered
 from gr2model.dapo import sequence_logprobs
 from gr2model.diffusion_decode import check_sub_block_size, diffusion_generate
-from gr2model.speculative import DiffusionDrafter, Drafter, SpeculativeDecodeOutput, speculative_generate
+from gr2model.speculative import Drafter, SpeculativeDecodeOutput, diffusion_drafter, speculative_generate
 from gr2model.rerank_format import FormatConfig, ItemText, ParsedResponse, build_prompt, evidence_of, parse_response
 from gr2model.tokenizer import special_ids
 
@@ -100,12 +100,13 @@ def _speculative_decode(model, prompts, *, drafter: Drafter, **kwargs) -> Specul
     return speculative_generate(model, drafter, prompts, **kwargs)
 
 
-def speculative_kwargs(drafter_model, steps: int, draft_len: int) -> dict:
+def speculative_kwargs(drafter_model, steps: int, draft_len: int, mode: str = "block") -> dict:
     """The `lm_rerank` keyword arguments that decode speculatively: the AR model passed to
     `lm_rerank` verifies, `drafter_model` (a block-diffusion model, block size and mask id
-    from its config) drafts `draft_len` tokens per round in `steps` denoising forwards.
+    from its config) drafts `draft_len` tokens per round in `steps` denoising forwards, on its
+    blocks or in a window (`mode`, `gr2model.speculative.diffusion_drafter`).
     Greedy: the answers are the AR model's own (`gr2model.speculative`)."""
-    return {"decoder": _speculative_decode, "drafter": DiffusionDrafter(drafter_model, steps), "draft_len": draft_len}
+    return {"decoder": _speculative_decode, "drafter": diffusion_drafter(drafter_model, steps, mode), "draft_len": draft_len}
 
 
 @dataclass

@@ -76,12 +76,15 @@ from gr2model.block_diffusion import block_diffusion_mask, block_diffusion_setti
 # The block decoder's cache pieces, reused rather than copied: the drafter's
 # forward is exactly its cached forward, and the AR verifier needs the same
 # per-row write columns.
-from gr2model.diffusion_decode import _CachedForward, _RaggedLayer, _WritePlan
+from gr2model.diffusion_decode import _CachedForward, _RaggedLayer, _WritePlan, attention_mask_or_none, no_mask_mapping
 
 __all__ = [
     "Draft",
     "Drafter",
     "DiffusionDrafter",
+    "WindowDrafter",
+    "DRAFT_MODES",
+    "diffusion_drafter",
     "SpeculativeDecodeOutput",
     "sampling_probs",
     "accept_greedy",
@@ -209,6 +212,79 @@ class Drafter(Protocol):
         ...
 
 
+def _empty_draft(rows: int, lengths: torch.Tensor, temperature: float, vocab_size: int) -> Draft:
+    """A round in which no row drafts: (N, 0) tokens, and (N, 0, V) q under sampling."""
+    device = lengths.device
+    probs = torch.zeros((rows, 0, vocab_size), device=device) if temperature > 0 else None
+    return Draft(torch.zeros((rows, 0), dtype=torch.long, device=device), lengths, probs)
+
+
+class _DraftSteps:
+    """Which draft positions each denoising step of a drafter commits, and to what.
+
+    Step s of `steps` commits ceil(open / (steps - s)) of a row's open draft
+    positions: the most confident first under greedy decoding (confidence = the
+    max softmax probability, as the block decoder's `propose`), left to right
+    under sampling, whatever was sampled, so that the softmax each token is
+    drawn from is its exact law given the context and the earlier drafts (the
+    q of the speculative-sampling rule, kept in `probs`). The last step commits
+    every open position.
+
+    Args:
+        in_draft: (N, k) bool, the positions each row drafts (its first n[r]).
+        steps: denoising forwards of the round.
+        temperature: 0 greedy, > 0 sampling (with `generator`).
+        vocab_size: the verifier's V: ids >= V are never drafted.
+    """
+
+    def __init__(
+        self, in_draft: torch.Tensor, steps: int, temperature: float, generator: torch.Generator | None, vocab_size: int
+    ) -> None:
+        rows, k = in_draft.shape
+        self.open_ = in_draft.clone()
+        self.steps, self.step = steps, 0
+        self.temperature, self.generator, self.vocab_size = temperature, generator, vocab_size
+        self.tokens = torch.zeros((rows, k), dtype=torch.long, device=in_draft.device)
+        self.probs = torch.zeros((rows, k, vocab_size), device=in_draft.device) if temperature > 0 else None
+
+    @property
+    def finished(self) -> bool:
+        return not bool(self.open_.any())
+
+    def commit(self, logits: torch.Tensor, mask_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One step from (N, k, V') logits at the draft positions: (chosen (N, k) bool, proposals (N, k) long)."""
+        rows, k = self.open_.shape
+        logits = logits.float()
+        # Never draft the mask token nor an id the verifier does not have.
+        logits[..., mask_id] = float("-inf")
+        logits = logits[..., : self.vocab_size]
+        left = self.open_.sum(1)
+        steps_left = self.steps - self.step
+        quota = torch.div(left + steps_left - 1, steps_left, rounding_mode="floor")  # ceil
+        if self.probs is not None:
+            q = torch.softmax(logits / self.temperature, dim=-1)
+            tok = torch.multinomial(q.reshape(-1, q.shape[-1]), 1, generator=self.generator).view(rows, k)
+            # Left to right: the first `quota` open positions, whatever was sampled.
+            rank = self.open_.long().cumsum(1)
+            chosen = self.open_ & (rank <= quota[:, None])
+            self.probs = torch.where(chosen[:, :, None], q, self.probs)
+        elif steps_left == 1:
+            # The last step commits every open position: no ranking needed.
+            tok = logits.max(-1).indices
+            chosen = self.open_
+        else:
+            best, tok = logits.max(-1)
+            conf = torch.exp(best - torch.logsumexp(logits, dim=-1)).masked_fill(~self.open_, float("-inf"))
+            # The `quota` most confident open positions (ties: the first).
+            order = conf.argsort(dim=1, descending=True, stable=True)
+            rank = torch.empty_like(order).scatter_(1, order, torch.arange(k, device=order.device).expand(rows, -1))
+            chosen = self.open_ & (rank < quota[:, None])
+        self.tokens = torch.where(chosen, tok, self.tokens)
+        self.open_ = self.open_ & ~chosen
+        self.step += 1
+        return chosen, tok
+
+
 class DiffusionDrafter:
     """Drafts with a block-diffusion model, using the block decoder's cache (module docstring).
 
@@ -289,11 +365,8 @@ class DiffusionDrafter:
         j = length - target  # accepted tokens inside it
         n = torch.minimum(count.clamp(min=0), bsz - j)  # drafted tokens: up to the block end
         k = int(n.max()) if rows else 0
-        tokens = torch.zeros((rows, k), dtype=torch.long, device=device)
-        probs = None
         if k == 0:
-            empty = torch.zeros((rows, 0, self.vocab_size), device=device) if temperature > 0 else None
-            return Draft(tokens, n, empty)
+            return _empty_draft(rows, n, temperature, self.vocab_size)
         # Bring the drafter's cache up to date. Invariant: after the first
         # forward of the drafting loop below, every row's active block is the
         # block holding its next position (start == target) and the cache holds
@@ -313,51 +386,140 @@ class DiffusionDrafter:
         win = j[:, None] + torch.arange(k, device=device)  # (N, k) block positions of the draft
         in_draft = torch.arange(k, device=device)[None, :] < n[:, None]  # (N, k)
         win = win.clamp(max=bsz - 1)
-        open_ = in_draft.clone()
-        sample = temperature > 0.0
-        if sample:
-            probs = torch.zeros((rows, k, self.vocab_size), device=device)
+        denoise = _DraftSteps(in_draft, self.steps, temperature, generator, self.vocab_size)
         for step in range(self.steps):
-            left = open_.sum(1)
-            if not bool(left.any()):
+            if denoise.finished:
                 break
             if step == 0 and ready is not None:
                 logits = ready
             else:
                 logits = self._run(canvas, target)  # (N, B, V); the first one caches a just-finished block
-            logits = logits.gather(1, win[:, :, None].expand(-1, -1, logits.shape[-1])).float()
-            # Never draft the mask token nor an id the verifier does not have.
-            logits[..., self.mask_id] = float("-inf")
-            logits = logits[..., : self.vocab_size]
-            quota = torch.div(left + (self.steps - step) - 1, self.steps - step, rounding_mode="floor")  # ceil
-            if sample:
-                q = torch.softmax(logits / temperature, dim=-1)
-                tok = torch.multinomial(q.reshape(-1, q.shape[-1]), 1, generator=generator).view(rows, k)
-                # Left to right: the first `quota` open positions, whatever was sampled.
-                rank = open_.long().cumsum(1)
-                chosen = open_ & (rank <= quota[:, None])
-                probs = torch.where(chosen[:, :, None], q, probs)
-            elif step == self.steps - 1:
-                # The last step commits every open position: no ranking needed.
-                tok = logits.argmax(-1)
-                chosen = open_
-            else:
-                best, tok = logits.max(-1)
-                # Confidence = max softmax probability, as the block decoder's `propose`.
-                conf = torch.exp(best - torch.logsumexp(logits, dim=-1)).masked_fill(~open_, float("-inf"))
-                # The `quota` most confident open positions (ties: the first).
-                order = conf.argsort(dim=1, descending=True, stable=True)
-                rank = torch.empty_like(order).scatter_(1, order, torch.arange(k, device=device).expand(rows, -1))
-                chosen = open_ & (rank < quota[:, None])
-            tokens = torch.where(chosen, tok, tokens)
+            chosen, tok = denoise.commit(logits.gather(1, win[:, :, None].expand(-1, -1, logits.shape[-1])), self.mask_id)
             if step == self.steps - 1:
                 break  # the canvas is not read again
-            open_ = open_ & ~chosen
             # Write only the chosen positions (the clamped columns past a row's
             # draft repeat a block position, so a scatter of all could collide).
             r_idx, c_idx = chosen.nonzero(as_tuple=True)
             canvas[r_idx, self.start[r_idx] + win[r_idx, c_idx]] = tok[r_idx, c_idx]
-        return Draft(tokens, n, probs)
+        return Draft(denoise.tokens, n, denoise.probs)
+
+
+class WindowDrafter:
+    """Drafts with a block-diffusion model over a window of mask tokens right after each row's accepted prefix.
+
+    `DiffusionDrafter` decodes on the model's own canvas: every round's forward
+    covers the whole active block (its accepted tokens recomputed, mask tokens
+    up to the block end), plus the block that finished, if any. On a CPU, where
+    a forward's cost grows with its positions, that is a wide forward per round
+    for about five accepted tokens. This drafter keeps a KV cache of every
+    accepted token instead, as computed in the round that fed it, and each
+    round's forward holds only the tokens the cache lacks (those of the last
+    verification) and then k mask tokens, all seeing each other and the cache:
+    the block decoder's view of an active block (accepted tokens, then masks,
+    bidirectional), except that the earlier tokens' keys and values are not
+    recomputed as the block fills and the window ignores the model's block
+    boundaries. It may draft worse than `DiffusionDrafter` for that; what the
+    speculative decoder returns is the verifier's either way.
+
+    Steps, commit order and q under sampling are `DiffusionDrafter`'s: each
+    step is a forward over the same chunk with the window's committed tokens
+    written in, and only the last forward's keys and values of the fed tokens
+    are kept.
+
+    Args:
+        model: a block-diffusion model, in eval mode.
+        steps: forwards per draft round, >= 1.
+        mask_id: the model's; None reads it from its config.
+    """
+
+    def __init__(self, model: PreTrainedModel, steps: int, mask_id: int | None = None) -> None:
+        if steps < 1:
+            raise ValueError(f"steps must be >= 1, got {steps}")
+        if mask_id is None:
+            _, mask_id = block_diffusion_settings(model)
+        self.model, self.steps, self.mask_id = model, steps, mask_id
+        self.nfe = 0
+
+    def begin(self, ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int, vocab_size: int) -> None:
+        rows, prompt_len = ids.shape
+        device = ids.device
+        # Columns: the prompt, the accepted tokens, then a round's chunk (its fed
+        # tokens <= the last round's draft + 1, its window <= max_new_tokens).
+        self.cache = _VerifierCache(self.model, rows, prompt_len + 3 * max_new_tokens + 1, device)
+        self.vocab_size = vocab_size
+        self.nfe = 0
+        # The prompt but its last token, causal as in every block-diffusion prefill;
+        # the last one is fed with the first window (its logits predict the first draft).
+        if prompt_len > 1:
+            self.cache.forward(ids[:, :-1], _left_pad_positions(attention_mask)[:, :-1], attention_mask[:, :-1].bool(), 1)
+            self.nfe += 1
+        self.cache.keep(torch.full((rows,), prompt_len - 1, dtype=torch.long, device=device))
+        self.plen = attention_mask.sum(-1)
+        self.last_prompt = ids[:, -1]
+        self.fed = self.plen - 1  # real tokens (prompt, then response) in the cache
+
+    def select(self, alive: torch.Tensor) -> None:
+        self.cache.select(alive, alive.tolist())
+        self.plen, self.last_prompt, self.fed = self.plen[alive], self.last_prompt[alive], self.fed[alive]
+
+    @torch.inference_mode()
+    def draft(
+        self,
+        response: torch.Tensor,
+        length: torch.Tensor,
+        count: torch.Tensor,
+        temperature: float,
+        generator: torch.Generator | None,
+    ) -> Draft:
+        rows, device = response.shape[0], response.device
+        n = count.clamp(min=0)
+        k = int(n.max()) if rows else 0
+        if k == 0:
+            return _empty_draft(rows, n, temperature, self.vocab_size)
+        # The chunk of row r: its m[r] >= 1 tokens the cache lacks (the last
+        # accepted one always), then n[r] mask tokens (a row's window does not
+        # depend on its neighbours), then invalid filler up to the widest row.
+        m = self.plen + length - self.fed
+        fed_list = m.tolist()
+        width = max(fed_list) + k
+        ar = torch.arange(width, device=device)
+        seq = torch.cat([self.last_prompt[:, None], response], dim=1)  # seq[:, e]: position plen - 1 + e
+        src = (self.fed - self.plen + 1)[:, None] + ar
+        is_fed = ar[None, :] < m[:, None]
+        chunk = torch.where(is_fed, seq.gather(1, src.clamp(max=seq.shape[1] - 1)), self.mask_id)
+        valid = ar[None, :] < (m + n)[:, None]
+        pos = self.fed[:, None] + ar
+        # Draft position i is predicted at column m - 1 + i (the token shift).
+        keep = (m - 1)[:, None] + ar[:k]
+        kept0 = self.cache.kept
+        denoise = _DraftSteps(ar[None, :k] < n[:, None], self.steps, temperature, generator, self.vocab_size)
+        for step in range(self.steps):
+            if step:
+                self.cache.keep(kept0)  # the next forward rewrites the same columns
+            logits = self.cache.forward(chunk, pos, valid, keep, bidirectional=True)  # (N, k, V)
+            self.nfe += 1
+            chosen, tok = denoise.commit(logits, self.mask_id)
+            if step == self.steps - 1 or denoise.finished:
+                break
+            r_idx, c_idx = chosen.nonzero(as_tuple=True)
+            chunk[r_idx, m[r_idx] + c_idx] = tok[r_idx, c_idx]
+        # Keep the fed tokens; the window's slots roll back.
+        self.cache.keep(kept0 + m)
+        self.fed = self.fed + m
+        return Draft(denoise.tokens, n, denoise.probs)
+
+
+DRAFT_MODES = ("block", "window")  # `DiffusionDrafter`, `WindowDrafter`
+
+
+def diffusion_drafter(model: PreTrainedModel, steps: int, mode: str = "block") -> Drafter:
+    """The drafter of a block-diffusion model: "block" (`DiffusionDrafter`, the model's own canvas) or
+    "window" (`WindowDrafter`, a window after the accepted tokens, which are cached as fed). ValueError otherwise."""
+    if mode == "block":
+        return DiffusionDrafter(model, steps)
+    if mode == "window":
+        return WindowDrafter(model, steps)
+    raise ValueError(f"draft mode must be one of {DRAFT_MODES}, got {mode!r}")
 
 
 # ---------------------------------------------------------------- acceptance rules
@@ -450,10 +612,11 @@ def accept_sampling(
 
 
 class _VerifierCache:
-    """The AR model's ragged KV cache: per row, `kept` valid columns; each verify chunk goes after them.
+    """A ragged KV cache of accepted tokens: per row, `kept` valid columns; each chunk goes after them.
 
-    Slots carry position ids and validity, the mask is causal in position ids,
-    and rolling back is lowering `kept` and invalidating the dropped slots.
+    The AR verifier's (causal chunks) and the window drafter's (bidirectional
+    chunks). Slots carry position ids and validity, and rolling back is
+    lowering `kept` and invalidating the dropped slots.
     """
 
     def __init__(self, model: PreTrainedModel, rows: int, max_len: int, device: torch.device) -> None:
@@ -464,6 +627,7 @@ class _VerifierCache:
         self.slot_valid = torch.zeros((rows, max_len), dtype=torch.bool, device=device)
         self.kept = torch.zeros(rows, dtype=torch.long, device=device)
         self.kept_list = [0] * rows
+        self.unmasked = no_mask_mapping(model)
 
     def select(self, alive: torch.Tensor, alive_list: list[int]) -> None:
         self.cache.batch_select_indices(alive)
@@ -471,11 +635,17 @@ class _VerifierCache:
         self.kept_list = [self.kept_list[i] for i in alive_list]
 
     def forward(
-        self, ids: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor, logits_to_keep: int = 0
+        self, ids: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor, logits_to_keep: int | torch.Tensor = 0,
+        bidirectional: bool = False,
     ) -> torch.Tensor:
         """Logits (N, t or logits_to_keep, V) of t new tokens per row, written after each row's kept columns.
 
         ids, pos, valid: (N, t); invalid slots are computed but never attended.
+        logits_to_keep: as HF's (an int keeps the last ones; a (N, w) long tensor
+            these columns of each row).
+        bidirectional: False, causal by position id (the verifier); True, every
+            valid query sees every valid slot, the chunk's own included (the
+            window drafter: its chunk is an active block, all before it cached).
         """
         rows, t = ids.shape
         ar = torch.arange(t, device=ids.device)
@@ -488,14 +658,18 @@ class _VerifierCache:
         cols = self.kept[:, None] + ar
         self.slot_pos.scatter_(1, cols, pos)
         self.slot_valid.scatter_(1, cols, valid)
-        # Block size 1: causal by position id, pads and dropped slots excluded.
-        plen = torch.zeros(rows, dtype=torch.long, device=ids.device)
-        mask = block_diffusion_mask(
-            pos, valid, cols, self.slot_pos[:, :width], self.slot_valid[:, :width], plen, 1
-        )
+        kwargs: dict = {}
+        if bidirectional:
+            mask, kwargs = attention_mask_or_none(self.unmasked, self.slot_valid[:, None, None, :width])
+        else:
+            # Block size 1: causal by position id, pads and dropped slots excluded.
+            plen = torch.zeros(rows, dtype=torch.long, device=ids.device)
+            mask = block_diffusion_mask(
+                pos, valid, cols, self.slot_pos[:, :width], self.slot_valid[:, :width], plen, 1
+            )
         out = self.model(
             input_ids=ids, attention_mask=mask, position_ids=pos, cache=self.cache, use_cache=True,
-            logits_to_keep=logits_to_keep,
+            logits_to_keep=logits_to_keep, **kwargs,
         )
         return out.logits
 
@@ -503,9 +677,10 @@ class _VerifierCache:
         """Each row keeps its first new_kept[r] columns; later slots become invalid (the rollback).
 
         What rolls back is `kept`: the next chunk overwrites the dropped slots.
-        Invalidating them is belt and braces: a dropped slot the next chunk does
-        not reach sits at a later position than every query of that chunk, so
-        the causal mask already hides it.
+        Invalidating them matters to the bidirectional chunks (the window
+        drafter's), where a dropped slot the next chunk does not reach would
+        otherwise be seen; to causal ones it is belt and braces (such a slot sits
+        at a later position than every query of that chunk).
         """
         width = self.slot_valid.shape[1]
         self.slot_valid &= torch.arange(width, device=new_kept.device)[None, :] < new_kept[:, None]

@@ -33,7 +33,7 @@ import json
 import logging
 from pathlib import Path
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import polars as pl
@@ -98,6 +98,10 @@ class BenchParams(StageConfig):
     spec_models: list[str] = ["dgr2-naive", "dgr2-cft", "dgr2-opd", "dgr2"]
     spec_draft_len: Count = 32  # tokens drafted per round (the drafter stops at its block end anyway)
     spec_steps: Count = 1  # denoising forwards of the drafter per round
+    # Where the drafter drafts: "block", on its own blocks (each round's forward covers the active
+    # block); "window", a window of spec_draft_len masks after the accepted tokens, which it caches
+    # as fed (a forward over about accepted + spec_draft_len positions; gr2model.speculative).
+    spec_draft_mode: Literal["block", "window"] = "block"
 
 
 class EvaluateConfig(StageConfig):
@@ -308,12 +312,15 @@ def spec_eval(
     The metrics add `equal_to_gr2_rate` (the share of examples whose tokens equal
     `reference`, GR2's greedy tokens on the same examples in the same order),
     `mean_accepted_length`, `ar_forwards_per_token`, `draft_forwards_per_token`
-    (`gr2model.bench.speculative_stats`), `draft_len` and `draft_steps`.
+    (`gr2model.bench.speculative_stats`), `draft_len`, `draft_steps` and `draft_mode`.
     """
-    kwargs = speculative_kwargs(drafter, cfg.bench.spec_steps, cfg.bench.spec_draft_len)
+    kwargs = speculative_kwargs(drafter, cfg.bench.spec_steps, cfg.bench.spec_draft_len, cfg.bench.spec_draft_mode)
     m, ranks, out = _decode_eval(name, gr2, tok, df, items, fmt, cfg, kwargs, state)
     m["equal_to_gr2_rate"] = equal_share(out.sequences, reference)
-    m.update(speculative_stats(out), draft_len=cfg.bench.spec_draft_len, draft_steps=cfg.bench.spec_steps)
+    m.update(
+        speculative_stats(out), draft_len=cfg.bench.spec_draft_len, draft_steps=cfg.bench.spec_steps,
+        draft_mode=cfg.bench.spec_draft_mode,
+    )  # fmt: skip
     return m, ranks
 
 
@@ -328,7 +335,8 @@ def spec_report(results: dict[str, dict[str, dict[str, Any]]], splits: Sequence[
             lines.append(
                 f"- {model} ({split}, {int(m['n'])} examples): tokens equal to GR2's greedy answers on "
                 f"{m['equal_to_gr2_rate']:.4f} of them; {m['mean_accepted_length']:.2f} draft tokens accepted per "
-                f"verification (draft length {m['draft_len']}, {m['draft_steps']} drafter steps); per token "
+                f"verification (draft length {m['draft_len']}, {m['draft_steps']} drafter steps, "
+                f"{m.get('draft_mode', 'block')} drafting); per token "
                 f"{m['ar_forwards_per_token']:.3f} GR2 and {m['draft_forwards_per_token']:.3f} drafter forwards"
             )
     if not lines:
@@ -385,8 +393,8 @@ def run_bench(
     racers = {name: models[name][0].to(on) for name in cfg.bench.models if name in models}
     drafters = {name: models[name][0].to(on) for name in cfg.bench.spec_models if name in models}
     log.info(
-        "decode benchmark: %d test examples, AR (ours, HF) vs %s at tau %s, GR2 verifying the drafts of %s (k=%d, %d steps), batch sizes %s",
-        lists.height, list(racers), cfg.bench.taus, list(drafters), cfg.bench.spec_draft_len, cfg.bench.spec_steps, cfg.bench.batch_sizes,
+        "decode benchmark: %d test examples, AR (ours, HF) vs %s at tau %s, GR2 verifying the drafts of %s (k=%d, %d steps, %s drafting), batch sizes %s",
+        lists.height, list(racers), cfg.bench.taus, list(drafters), cfg.bench.spec_draft_len, cfg.bench.spec_steps, cfg.bench.spec_draft_mode, cfg.bench.batch_sizes,
     )  # fmt: skip
 
     def on_row(r: dict[str, Any]) -> None:
@@ -398,7 +406,7 @@ def run_bench(
         gr2, racers, tok, lists, items, fmt, taus=cfg.bench.taus, batch_sizes=cfg.bench.batch_sizes,
         max_new_tokens=cfg.max_new_tokens, on_row=on_row, sub_block_sizes=tuple(cfg.bench.sub_block_sizes),
         drafters=drafters, draft_len=cfg.bench.spec_draft_len, draft_steps=cfg.bench.spec_steps,
-        constrained=cfg.constrained and covers(fmt), explanation_taus=tuple(cfg.bench.explanation_taus),
+        draft_mode=cfg.bench.spec_draft_mode, constrained=cfg.constrained and covers(fmt), explanation_taus=tuple(cfg.bench.explanation_taus),
         explanation_sub_block_size=cfg.bench.explanation_sub_block_size, scorer=gr2 if covers(fmt) else None,
     )  # fmt: skip
     if results:
@@ -496,7 +504,7 @@ def run(cfg: EvaluateConfig, root: Path, log: logging.Logger, tracker: StageTrac
                         gr2_tokens[name][: df.height], state,
                     )  # fmt: skip
                 m = results[spec_name][name]
-                log.info("%s %s: %s", spec_name, name, {k: round(v, 4) for k, v in m.items()})
+                log.info("%s %s: %s", spec_name, name, {k: round(v, 4) if isinstance(v, float) else v for k, v in m.items()})
             del gr2
     if not state.is_main_process:  # its share of the decoding is done; the rest is the main process's
         return results

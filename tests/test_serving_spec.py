@@ -182,6 +182,8 @@ def test_version_bundles_both_checkpoints_with_lineage_to_both(registered: Any) 
     pair = registered["pair"]
     assert find_version(client, SPEC_MODEL, pair.checkpoint_md5, pair.settings).version == mv.version
     assert find_version(client, SPEC_MODEL, pair.checkpoint_md5, {**pair.settings, "draft_steps": str(pair.draft_steps + 1)}) is None
+    assert pair.settings["draft_mode"] == "block" == mv.tags["draft_mode"]
+    assert find_version(client, SPEC_MODEL, pair.checkpoint_md5, {**pair.settings, "draft_mode": "window"}) is None
 
 
 def test_evaluation_and_speed_reach_the_version_and_its_gates(registered: Any) -> None:

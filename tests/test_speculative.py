@@ -8,12 +8,14 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
+import gr2model.speculative as sp
 from gr2model.ar_decode import ar_generate
 from gr2model.ar_model import build_ar_model
 from gr2model.speculative import (
     Draft,
     DiffusionDrafter,
     SpeculativeDecodeOutput,
+    WindowDrafter,
     accept_greedy,
     accept_sampling,
     sampling_probs,
@@ -142,13 +144,16 @@ def drafters(model, bad_model, mask_id) -> dict[str, object]:
         "diffusion B=8, k=6, 3 steps": (DiffusionDrafter(model, 3, block_size=8, mask_id=mask_id), 6),
         "diffusion B=1": (DiffusionDrafter(model, 1, block_size=1, mask_id=mask_id), 1),
         "bad diffusion": (DiffusionDrafter(bad_model, 2, block_size=4, mask_id=mask_id), 3),
+        "window k=3": (WindowDrafter(model, 1, mask_id=mask_id), 3),
+        "window k=5, 2 steps": (WindowDrafter(model, 2, mask_id=mask_id), 5),
+        "bad window": (WindowDrafter(bad_model, 1, mask_id=mask_id), 4),
         "perfect": (PerfectDrafter(model), 4),
         "random": (RandomDrafter(), 4),
     }
 
 
 NAMES = ["diffusion k=1", "diffusion k=B=4, 2 steps", "diffusion B=8, k=6, 3 steps", "diffusion B=1", "bad diffusion",
-         "perfect", "random"]
+         "window k=3", "window k=5, 2 steps", "bad window", "perfect", "random"]
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -166,15 +171,20 @@ def test_greedy_equals_ar(model, bad_model, prompts, mask_id, ar_ref, eos, name)
         assert out.accepted_tokens == out.drafted_tokens > 0
         assert out.ar_nfe < max(len(s) for s in out.sequences)
         assert out.mean_accepted_length > 2.5
-    if name in ("random", "bad diffusion"):
+    if name in ("random", "bad diffusion", "bad window"):
         assert out.mean_accepted_length < 0.3
     if name == "diffusion B=1":
         # The same network with block size 1 is the AR model: every draft is accepted.
         assert out.accepted_tokens == out.drafted_tokens > 0
 
 
-def test_batch_of_one_equals_batched(model, prompts, mask_id, ar_ref) -> None:
-    drafter = DiffusionDrafter(model, 2, block_size=4, mask_id=mask_id)
+@pytest.mark.parametrize("kind", ["diffusion", "window"])
+def test_batch_of_one_equals_batched(model, prompts, mask_id, ar_ref, kind) -> None:
+    """Ragged rows (prompts of 1 to 16 tokens, different acceptances) draft as each row alone."""
+    if kind == "diffusion":
+        drafter = DiffusionDrafter(model, 2, block_size=4, mask_id=mask_id)
+    else:
+        drafter = WindowDrafter(model, 2, mask_id=mask_id)
     batched = spec(model, drafter, prompts)
     for i, prompt in enumerate(prompts):
         alone = spec(model, drafter, [prompt])
@@ -182,6 +192,30 @@ def test_batch_of_one_equals_batched(model, prompts, mask_id, ar_ref) -> None:
         check_counts(alone, 1)
         # At batch 1 acceptance does not depend on the other rows.
         assert alone.accepted_lengths[0] == batched.accepted_lengths[i]
+
+
+def test_window_drafter_feeds_each_accepted_token_once(model, prompts, mask_id, monkeypatch) -> None:
+    """Each round's drafter forward holds the tokens accepted since the last one, then the window: never a whole block."""
+    widths: list[tuple[int, int]] = []
+    real = sp._VerifierCache.forward
+
+    def spy(self, ids, pos, valid, logits_to_keep=0, bidirectional=False):
+        if bidirectional:
+            widths.append((ids.shape[1], int(valid.sum())))
+        return real(self, ids, pos, valid, logits_to_keep, bidirectional)
+
+    monkeypatch.setattr(sp._VerifierCache, "forward", spy)
+    k = 3
+    drafter = WindowDrafter(model, 1, mask_id=mask_id)
+    out = spec(model, drafter, prompts[:1], draft_len=k)
+    acc = out.accepted_lengths[0]
+    # Round 1 feeds the last prompt token; round r the tokens round r - 1 accepted (its drafts + the AR token).
+    fed = [1] + [a + 1 for a in acc[:-1]]
+    before = [sum(fed[1 : r + 1]) for r in range(len(fed))]  # accepted tokens before round r
+    window = [min(k, NEW - n - 1) for n in before]  # the draft never passes max_new_tokens
+    assert widths == [(m + w, m + w) for m, w in zip(fed, window) if w > 0]
+    assert len(widths) == out.drafts and drafter.nfe == out.drafts + 1  # + the prompt's prefill
+    assert int(drafter.fed[0]) == len(prompts[0]) - 1 + sum(m for m, w in zip(fed, window) if w > 0)
 
 
 # ---------------------------------------------------------------- rollback
@@ -230,7 +264,6 @@ def test_drafts_after_rejections_equal_drafts_from_scratch(model, prompts, mask_
 
 def test_verify_logits_after_rejections_equal_a_full_forward(model, bad_model, prompts, mask_id, monkeypatch) -> None:
     """The AR cache rolled back after rejections scores each chunk as a from-scratch forward would."""
-    import gr2model.speculative as sp
 
     chunks: list[tuple[list[int], int, torch.Tensor]] = []
     real = sp._VerifierCache.forward
@@ -380,20 +413,25 @@ def chi_square_p(samples: list[list[int]], exact: dict[tuple[int, ...], float]) 
 
 @pytest.mark.parametrize(
     "draft_len, steps, block_size, temperature, top_k",
-    [(2, 1, 4, 1.0, 0), (2, 2, 4, 1.0, 0), (2, 2, 2, 0.7, 4)],
+    [(2, 1, 4, 1.0, 0), (2, 2, 4, 1.0, 0), (2, 2, 2, 0.7, 4), (2, 2, 0, 1.0, 0)],
 )
 def test_sampling_matches_the_exact_ar_distribution(draft_len, steps, block_size, temperature, top_k) -> None:
     ar, draft_model = toy_models()
     prompts = [[3, 4, 3], [4]]
     n = 4000
-    drafter = DiffusionDrafter(draft_model, steps, block_size=block_size, mask_id=5)
+    # block_size 0 stands for the window drafter (no blocks).
+    if block_size:
+        drafter = DiffusionDrafter(draft_model, steps, block_size=block_size, mask_id=5)
+    else:
+        drafter = WindowDrafter(draft_model, steps, mask_id=5)
     g = torch.Generator().manual_seed(0)
     out = speculative_generate(
         ar, drafter, prompts * n, pad_id=PAD, eos_id=TOY_EOS, max_new_tokens=TOY_LEN, draft_len=draft_len,
         temperature=temperature, top_k=top_k, generator=g,
     )
-    # The drafter is a different network: many drafts are rejected and resampled.
-    assert 0.2 < out.acceptance_rate < 0.9
+    # The drafter is a different network: many drafts are rejected and resampled
+    # (the window drafter's, which sees fewer positions, more often).
+    assert (0.2 if block_size else 0.1) < out.acceptance_rate < 0.9
     for i, prompt in enumerate(prompts):
         exact = exact_distribution(ar, prompt, temperature, top_k)
         assert abs(sum(exact.values()) - 1.0) < 1e-5

@@ -56,6 +56,7 @@ def test_benchmark_spec_rows(setup) -> None:
     assert spec[("d", 1)]["mean_accepted_length"] > spec[("bad", 1)]["mean_accepted_length"]
     table = speed_table(rows)
     assert "| equal_to_gr2 |" in table.splitlines()[0] and "mean_accepted_length" in table
+    assert {r["draft_mode"] for r in spec.values()} == {"block"}
     assert "equal_to_gr2" not in speed_table([r for r in rows if r["decoder"] != "spec"])
     with pytest.raises(ValueError):
         decode_benchmark(ar, {}, tok, lists, toy_items(), FMT, taus=[0.9], batch_sizes=[1], max_new_tokens=4, drafters={"d": dgr2}, draft_len=0)
@@ -66,6 +67,22 @@ def test_benchmark_spec_rows(setup) -> None:
     assert r3["equal_to_gr2"] == 1.0
     assert r3["ar_forwards_per_token"] + r3["draft_forwards_per_token"] == pytest.approx(r3["nfe_per_token"])
     assert r3["ar_forwards_per_token"] < spec[("d", 1)]["ar_forwards_per_token"] * 1.5  # not inflated by the empty rows
+
+
+def test_benchmark_window_drafting(setup) -> None:
+    """The window drafter's rows: GR2's answers too, at each batch size, and their mode in the row."""
+    tok, ar, dgr2, other, lists = setup
+    rows = decode_benchmark(
+        ar, {}, tok, lists, toy_items(), FMT, taus=[0.9], batch_sizes=[1, 3], max_new_tokens=12,
+        drafters={"d": dgr2}, draft_len=3, draft_steps=1, draft_mode="window",
+    )  # fmt: skip
+    spec = [r for r in rows if r["decoder"] == "spec"]
+    assert [r["batch_size"] for r in spec] == [1, 3]
+    for r in spec:
+        assert r["equal_to_gr2"] == 1.0 and r["draft_mode"] == "window" and 0.0 < r["mean_accepted_length"] <= 3
+    with pytest.raises(ValueError, match="draft mode"):
+        decode_benchmark(ar, {}, tok, lists, toy_items(), FMT, taus=[0.9], batch_sizes=[1], max_new_tokens=4,
+                         drafters={"d": dgr2}, draft_mode="blocks")  # fmt: skip
 
 
 def test_evaluate_spec_row_equals_gr2(setup) -> None:
