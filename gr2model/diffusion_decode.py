@@ -355,9 +355,10 @@ class _CachedForward:
         self.first: torch.Tensor | None = None  # (N, V) logits predicting each active block's position 0
         self.arange_b = torch.arange(block_size, device=device)
         # Logits are computed for W positions of each active block (the whole
-        # block, or the current sub-block of size W at offset `off`, W per call):
-        # the LM head and `propose` cost W rather than B positions. The prefill
-        # and every just-started block are at offset 0; these are sliced to W.
+        # block, the current sub-block, or its open positions; W per call): the
+        # LM head and `propose` cost W rather than B positions. A just-started
+        # block's window (the prefill's, a finished block's forward) starts at
+        # its position 0.
         self.keep_prefill = self.prompt_len - 1 + self.arange_b
         self.keep_ctx = block_size - 1 + self.arange_b
         self.keep_denoise = torch.arange(0, block_size - 1, device=device)
@@ -382,24 +383,21 @@ class _CachedForward:
 
     def __call__(
         self, resp: torch.Tensor, start: torch.Tensor, plen: torch.Tensor, ctx: torch.Tensor | None,
-        ctx_list: list[bool] | None, off: torch.Tensor | None = None, width: int | None = None,
+        ctx_list: list[bool] | None, win: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """(N, W, V) logits predicting the N active blocks' positions (token shift applied).
+        """(N, W, V) logits predicting the N active blocks' positions `win` (token shift applied).
 
         ctx: None for the prefill; else (N,) bool, the rows whose block just
         finished (`start` already points at their next block), or all False.
-        off, width: None, the window is the whole block (W = B); else off is
-        (N,) long, each row's window (its current sub-block, W = width) starts
-        at block position off (0 for the prefill and for rows with ctx). The
-        forward covers the whole block either way: only which logits are kept
-        depends on it.
+        win: None, the whole block (W = B); else (N, W) long block positions,
+        ascending per row, starting at 0 in a block that starts here (the
+        prefill, rows with ctx). The forward covers the whole block either
+        way: only which logits are kept depends on it.
         """
         bsz, n_act = self.block_size, self.n_act
         rows = resp.shape[0]
         plan = self.plan
         ar = self.arange_b
-        w = bsz if off is None else width
-        assert w is not None, "a window offset needs its width"
         if ctx is None:
             # Prefill: the prompt, then block 0's mask tokens.
             masks = torch.full((rows, n_act), self.mask_id, dtype=torch.long, device=resp.device)
@@ -412,7 +410,7 @@ class _CachedForward:
             self.slot_valid[:, :width] = valid
             plan.start, plan.columns, plan.width = 0, None, width
             mask = block_diffusion_mask(pos, valid, cols, pos, valid, plen, bsz)
-            logits = self._run(input_ids, mask, pos, self.keep_prefill[:w])
+            logits = self._run(input_ids, mask, pos, self.keep_prefill if win is None else self.keep_prefill[win])
             # A copy: `propose` bans the mask column of the returned logits in
             # place, and the raw logits are kept for the block's later steps.
             self.first = logits[:, 0].clone()
@@ -437,15 +435,14 @@ class _CachedForward:
             plan.width = width
             mask = self.slot_valid[:, None, None, :width]
             assert self.first is not None
-            if off is None:
+            if win is None:
                 logits = self._run(act_tok, mask, act_pos, self.keep_denoise)
                 return torch.cat([self.first[:, None], logits], dim=1)
-            # Window position i (block position off + i) is predicted at active
-            # column off + i - 1; block position 0 (off = 0, i = 0) by the kept
-            # `first` instead (clamped to column 0 here, then overwritten).
-            keep = (off[:, None] - 1 + ar[:w]).clamp(min=0)
-            logits = self._run(act_tok, mask, act_pos, keep)
-            logits[:, 0] = torch.where((off == 0)[:, None], self.first, logits[:, 0])
+            # Block position p is predicted at active column p - 1; position 0
+            # (only ever first in a window) by the kept `first` instead (clamped
+            # to column 0 here, then overwritten).
+            logits = self._run(act_tok, mask, act_pos, (win - 1).clamp(min=0))
+            logits[:, 0] = torch.where((win[:, 0] == 0)[:, None], self.first, logits[:, 0])
             return logits
 
         # A forward carrying the just-finished blocks (rows with ctx) and the
@@ -472,8 +469,8 @@ class _CachedForward:
             self.slot_valid[:, start0:width] = valid
             mask = self.slot_valid[:, None, None, :width].repeat(1, 1, bsz + n_act, 1)
             mask[:, :, :bsz, start0 + bsz :] = False
-            # Every row starts a block here, so every window is at offset 0.
-            logits = self._run(input_ids, mask, pos, self.keep_ctx[:w])
+            # Every row starts a block here, so every window starts at position 0.
+            logits = self._run(input_ids, mask, pos, self.keep_ctx if win is None else self.keep_ctx[win])
             self.first = logits[:, 0].clone()  # see the prefill
         else:
             plan.start, plan.columns = None, cols
@@ -482,18 +479,17 @@ class _CachedForward:
             mask = block_diffusion_mask(
                 pos, valid, cols, self.slot_pos[:, :width], self.slot_valid[:, :width], plen, bsz
             )
-            # A row with ctx has off = 0; a row without reads its active block
-            # at columns B + j, so window position i at B - 1 + off + i.
-            keep = self.keep_ctx[:w] if off is None else self.keep_ctx[None, :w] + off[:, None]
-            logits = self._run(input_ids, mask, pos, keep)
+            # Every row reads its active block at input columns [B, 2B): block
+            # position p is predicted at column B - 1 + p.
+            logits = self._run(input_ids, mask, pos, self.keep_ctx if win is None else self.keep_ctx[win])
             assert self.first is not None
             # Rows without a finished block keep their block's position-0 logits.
             self.first = torch.where(ctx_col, logits[:, 0], self.first)
-            if off is None:
+            if win is None:
                 logits[:, 0] = self.first
             else:
-                # ... where their window holds position 0 (a row with ctx has off = 0).
-                logits[:, 0] = torch.where((off == 0)[:, None], self.first, logits[:, 0])
+                # ... where their window holds position 0 (a row with ctx does).
+                logits[:, 0] = torch.where((win[:, 0] == 0)[:, None], self.first, logits[:, 0])
         # The finished blocks stay in the cache; the active ones will be rewritten.
         self.kept = [k + bsz if c else k for k, c in zip(self.kept, ctx_list)]
         self.kept_t = self.kept_t + bsz * ctx.long()
@@ -519,7 +515,7 @@ class _RecomputeForward:
 
     def __call__(
         self, resp: torch.Tensor, start: torch.Tensor, plen: torch.Tensor, ctx: torch.Tensor | None,
-        ctx_list: list[bool] | None, off: torch.Tensor | None = None, width: int | None = None,
+        ctx_list: list[bool] | None, win: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """(N, W, V) logits, as `_CachedForward.__call__` (ctx is not needed without a cache)."""
         bsz = self.block_size
@@ -531,11 +527,8 @@ class _RecomputeForward:
         pos = torch.cat([self.prompt_pos, plen[:, None] + idx], dim=1)
         cols = torch.arange(input_ids.shape[1], device=resp.device).expand(rows, -1)
         mask = block_diffusion_mask(pos, valid, cols, pos, valid, plen, bsz)
-        # Token shift: block position i is predicted at column prompt_len + start + i - 1.
-        keep = prompt_len - 1 + start[:, None] + torch.arange(bsz, device=resp.device)
-        if off is not None:
-            assert width is not None, "a window offset needs its width"
-            keep = keep[:, :width] + off[:, None]
+        # Token shift: block position p is predicted at column prompt_len + start + p - 1.
+        keep = prompt_len - 1 + start[:, None] + (torch.arange(bsz, device=resp.device) if win is None else win)
         return self.model(
             input_ids=input_ids, attention_mask=mask, position_ids=pos, use_cache=False, logits_to_keep=keep
         ).logits
@@ -702,15 +695,23 @@ def diffusion_generate(
                 step_sub = None
                 lo = open_.long().argmax(1) // size * size
                 open_ = open_ & (ar >= lo[:, None]) & (ar < (lo + size)[:, None])
-        off = win = None
+        win = None
         if step_sub is not None and step_sub != bsz:
             # Each row's current sub-block: the leftmost with an open position.
             # Every active row has one (else it would be done or in its next
             # block), and a just-started block is at sub-block 0.
             off = open_.long().argmax(1) // step_sub * step_sub
             win = off[:, None] + ar[:step_sub]  # (N, S) block positions of the window
+        if open_.shape[0] == 1 and temperature == 0.0:
+            # One row, greedy: only its open positions of the window need logits
+            # (a committed one is never proposed again), so the LM head, the
+            # grammar and the proposals cost the open positions alone; the
+            # choices are the same. (Sampling keeps whole windows: one draw per
+            # window position is what makes a row's samples independent of the
+            # rows beside it, `sample_rows`.)
+            win = (ar if win is None else win[0]).masked_select(open_[0] if win is None else open_[0, win[0]])[None]
 
-        logits = forward(resp, start, plen, ctx, ctx_list, off, step_sub)
+        logits = forward(resp, start, plen, ctx, ctx_list, win)
         step = nfe
         nfe += 1
         # Before `propose`, which bans the mask column in place: the raw log-partition.

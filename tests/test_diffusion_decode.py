@@ -104,8 +104,9 @@ def test_cached_equals_recompute(model, prompts, mask_id, block_size, monkeypatc
     kinds: set[str] = set()
     call = dd._CachedForward.__call__
 
-    def spy(self, resp, start, plen, ctx, ctx_list, off=None, width=None):
-        assert off is None  # no sub-blocks: the whole-block logits path
+    def spy(self, resp, start, plen, ctx, ctx_list, win=None):
+        # No sub-blocks: the whole-block logits path, but for a lone greedy row's open positions.
+        assert win is None or resp.shape[0] == 1
         ragged = min(self.kept) != max(self.kept)
         if ctx is None:
             kinds.add("prefill")
@@ -113,7 +114,7 @@ def test_cached_equals_recompute(model, prompts, mask_id, block_size, monkeypatc
             kinds.add("denoise ragged" if ragged else "denoise")
         else:
             kinds.add("finish some" if ragged or not all(ctx_list) else "finish all")
-        return call(self, resp, start, plen, ctx, ctx_list, off, width)
+        return call(self, resp, start, plen, ctx, ctx_list, win)
 
     monkeypatch.setattr(dd._CachedForward, "__call__", spy)
     cached = decode(model, prompts, mask_id, block_size=block_size, threshold=MIXED)
@@ -299,6 +300,27 @@ def sub_block_order_holds(steps: list[int], bsz: int, sub: int) -> bool:
     return True
 
 
+@pytest.mark.parametrize("sub", [None, 4])
+def test_a_lone_greedy_row_computes_only_its_open_positions(model, prompts, mask_id, sub, monkeypatch) -> None:
+    """Alone, a greedy row's steps keep the logits of its open positions only; it decodes as in a batch."""
+    widths: list[int] = []
+    call = dd._CachedForward.__call__
+
+    def spy(self, resp, start, plen, ctx, ctx_list, win=None):
+        widths.append(self.block_size if win is None else win.shape[1])
+        return call(self, resp, start, plen, ctx, ctx_list, win)
+
+    monkeypatch.setattr(dd._CachedForward, "__call__", spy)
+    kw = dict(block_size=8, threshold=MIXED, sub_block_size=sub, return_logprobs=True)
+    prompt = prompts[1]
+    alone = decode(model, [prompt], mask_id, **kw)
+    assert min(widths) < (sub or 8) and max(widths) == (sub or 8)  # narrower once positions are committed
+    # Two copies of the row: a batch, whole windows (and the masked forwards of a batch).
+    pair = decode(model, [prompt, prompt], mask_id, **kw)
+    assert pair.sequences == [alone.sequences[0]] * 2 and pair.steps == [alone.steps[0]] * 2
+    assert pair.logprobs[0] == pytest.approx(alone.logprobs[0], abs=1e-5)
+
+
 @pytest.mark.parametrize("block_size, sub", [(4, 2), (8, 4), (8, 2)])
 def test_sub_blocks_cached_equals_recompute(model, prompts, mask_id, block_size, sub, monkeypatch) -> None:
     # Record the kinds of cached forward, and whether a row mid-block sat in a later
@@ -306,12 +328,12 @@ def test_sub_blocks_cached_equals_recompute(model, prompts, mask_id, block_size,
     kinds: set[str] = set()
     call = dd._CachedForward.__call__
 
-    def spy(self, resp, start, plen, ctx, ctx_list, off=None, width=None):
-        if ctx is not None and any(ctx_list) and not all(ctx_list) and bool((off > 0).any()):
+    def spy(self, resp, start, plen, ctx, ctx_list, win=None):
+        if ctx is not None and any(ctx_list) and not all(ctx_list) and bool((win[:, 0] > 0).any()):
             kinds.add("finish some, later sub-block")
-        elif ctx is not None and not any(ctx_list) and bool((off > 0).any()):
+        elif ctx is not None and not any(ctx_list) and bool((win[:, 0] > 0).any()):
             kinds.add("denoise, later sub-block")
-        return call(self, resp, start, plen, ctx, ctx_list, off, width)
+        return call(self, resp, start, plen, ctx, ctx_list, win)
 
     monkeypatch.setattr(dd._CachedForward, "__call__", spy)
     ref = decode(model, prompts, mask_id, block_size=block_size, threshold=0.2, sub_block_size=sub).sequences
