@@ -191,7 +191,10 @@ def cmd_bench_decode(args: argparse.Namespace) -> int:
 
     root = Path(args.root).resolve()
     cfg = load_stage_config(STAGE, CONFIG, root / "params.yaml")
-    overrides = {k: v for k, v in (("taus", args.tau), ("batch_sizes", args.batch_size), ("examples", args.examples)) if v}
+    overrides = {k: v for k, v in (
+        ("taus", args.tau), ("batch_sizes", args.batch_size), ("examples", args.examples),
+        ("spec_draft_mode", args.draft_mode), ("spec_draft_len", args.draft_len),
+    ) if v}  # fmt: skip
     cfg = cfg.model_copy(update={"bench": cfg.bench.model_copy(update=overrides)})
     if not (root / GR2).exists():
         print(f"{root / GR2}: no GR2 checkpoint; run `gr2 run --stage cft` first", file=sys.stderr)
@@ -404,6 +407,8 @@ def build_parser() -> argparse.ArgumentParser:
     bd.add_argument("--tau", type=float, action="append", help="commit threshold (repeatable; default: params evaluate.bench.taus)")
     bd.add_argument("--batch-size", type=int, action="append", help="batch size (repeatable; default: params)")
     bd.add_argument("--examples", type=int, default=None, help="first N test re-ranking examples (default: params)")
+    bd.add_argument("--draft-mode", choices=["block", "window"], default=None, help="speculative drafting on the drafter's blocks or in a window (default: params)")
+    bd.add_argument("--draft-len", type=int, default=None, help="tokens drafted per round (default: params)")
     bd.set_defaults(fn=cmd_bench_decode)
     bs = bench_sub.add_parser("serve", help="load-test a served re-ranker on loopback: no 5xx, valid rankings, latency percentiles")
     bs.add_argument("model", nargs="?", default=None, help="MODEL@ALIAS (default: diffusion-gr2@champion, else gr2@champion)")
