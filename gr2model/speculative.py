@@ -44,6 +44,12 @@ accepted ones, at most up to the block end), which is the canvas the model
 was trained and decodes on; a draft therefore holds min(k, B - j) tokens
 where j is the number of accepted tokens in the active block.
 
+`WindowDrafter` trades that canvas for a cheaper forward: its cache holds
+every accepted token as it was fed (computed once, in the round after it was
+accepted, next to that round's mask window), so each round forwards only the
+last verification's tokens and k mask tokens; the window's slots are rolled
+back after the draft, like the verifier's rejected ones.
+
 Exactness of the sampling rule needs q_i = the law of d_i given the context
 and d_1 .. d_{i-1}. The diffusion drafter samples each committed position
 from softmax(logits / T) of the step that commits it, so under sampling it
