@@ -448,18 +448,13 @@ class WindowDrafter:
 
     def begin(self, ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int, vocab_size: int) -> None:
         rows, prompt_len = ids.shape
-        device = ids.device
         # Columns: the prompt, the accepted tokens, then a round's chunk (its fed
         # tokens <= the last round's draft + 1, its window <= max_new_tokens).
-        self.cache = _VerifierCache(self.model, rows, prompt_len + 3 * max_new_tokens + 1, device)
+        self.cache = _VerifierCache(self.model, rows, prompt_len + 3 * max_new_tokens + 1, ids.device)
         self.vocab_size = vocab_size
-        self.nfe = 0
         # The prompt but its last token, causal as in every block-diffusion prefill;
         # the last one is fed with the first window (its logits predict the first draft).
-        if prompt_len > 1:
-            self.cache.forward(ids[:, :-1], _left_pad_positions(attention_mask)[:, :-1], attention_mask[:, :-1].bool(), 1)
-            self.nfe += 1
-        self.cache.keep(torch.full((rows,), prompt_len - 1, dtype=torch.long, device=device))
+        self.nfe = self.cache.prefill(ids, attention_mask)
         self.plen = attention_mask.sum(-1)
         self.last_prompt = ids[:, -1]
         self.fed = self.plen - 1  # real tokens (prompt, then response) in the cache
@@ -486,8 +481,7 @@ class WindowDrafter:
         # accepted one always), then n[r] mask tokens (a row's window does not
         # depend on its neighbours), then invalid filler up to the widest row.
         m = self.plen + length - self.fed
-        fed_list = m.tolist()
-        width = max(fed_list) + k
+        width = int(m.max()) + k
         ar = torch.arange(width, device=device)
         seq = torch.cat([self.last_prompt[:, None], response], dim=1)  # seq[:, e]: position plen - 1 + e
         src = (self.fed - self.plen + 1)[:, None] + ar
@@ -679,6 +673,19 @@ class _VerifierCache:
         )
         return out.logits
 
+    def prefill(self, ids: torch.Tensor, attention_mask: torch.Tensor) -> int:
+        """Cache the (N, T) left-padded prompts but their last token, causally; returns the forwards run (0 or 1).
+
+        The last token is left out: it is the first query of the next chunk,
+        whose logits predict the first new token.
+        """
+        rows, prompt_len = ids.shape
+        if prompt_len > 1:
+            pos = _left_pad_positions(attention_mask)
+            self.forward(ids[:, :-1], pos[:, :-1], attention_mask[:, :-1].bool(), logits_to_keep=1)
+        self.keep(torch.full((rows,), prompt_len - 1, dtype=torch.long, device=ids.device))
+        return int(prompt_len > 1)
+
     def keep(self, new_kept: torch.Tensor) -> None:
         """Each row keeps its first new_kept[r] columns; later slots become invalid (the rollback).
 
@@ -753,17 +760,12 @@ def speculative_generate(
         )
     vocab = int(model.config.vocab_size)
     drafter.begin(ids, attn, max_new_tokens, vocab)
-    prompt_pos = _left_pad_positions(attn)
     plen = attn.sum(-1)
 
     # The AR cache: prompt minus its last token (which is the first query of
     # the first verify forward), then per row the accepted tokens but the last.
     verifier = _VerifierCache(model, batch, prompt_len + max_new_tokens + draft_len, device)
-    ar_nfe = 0
-    if prompt_len > 1:
-        verifier.forward(ids[:, :-1], prompt_pos[:, :-1], attn[:, :-1].bool(), logits_to_keep=1)
-        ar_nfe += 1
-    verifier.keep(torch.full((batch,), prompt_len - 1, dtype=torch.long, device=device))
+    ar_nfe = verifier.prefill(ids, attn)
 
     # Per active row: accepted response (+ room for a round's overshoot), its
     # length, its last token, its original index.
