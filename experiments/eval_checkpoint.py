@@ -49,6 +49,7 @@ def main() -> None:
     p.add_argument("--constrained", action="store_true", help="decode under the answer grammar (gr2model.constrained)")
     p.add_argument("--explanation-tau", type=float, default=None, help="a diffusion checkpoint's threshold after the answer (needs --constrained)")
     p.add_argument("--explanation-sub-block-size", type=int, default=None, help="its sub-block size past the answer (needs --constrained)")
+    p.add_argument("--sub-block-cache", action="store_true", help="decode a diffusion checkpoint with the approximate sub-block cache")
     a = p.parse_args()
     fmt = load_format(a.root)
     ds, _ = load_prepared(a.root / "data/prepared")
@@ -70,7 +71,7 @@ def main() -> None:
             result = lm_rerank(
                 model, tok, df, items, fmt, batch_size=a.batch_size, max_new_tokens=a.max_new_tokens,
                 constrained=a.constrained,
-                **decoder_kwargs(model, a.tau, sub_block_size=a.sub_block_size, explanation_threshold=a.explanation_tau, explanation_sub_block_size=a.explanation_sub_block_size),
+                **decoder_kwargs(model, a.tau, sub_block_size=a.sub_block_size, explanation_threshold=a.explanation_tau, explanation_sub_block_size=a.explanation_sub_block_size, sub_block_cache=a.sub_block_cache),
             )
             results[ckpt][split], ranks[ckpt][split] = scored(result.parsed, df["target"].to_list())
             seconds[split] = round(time.perf_counter() - t0, 1)

@@ -37,13 +37,18 @@ the current one and the later, all-mask ones) with the block's bidirectional
 attention, as the model was trained, so a step sees exactly the canvas the
 replay of `gr2model.diffusion_replay` rebuilds. Only the logits of the current
 sub-block are computed (the LM head and `propose` over S positions instead of
-B, per row at its own offset). Finished sub-blocks are not cached: inside the
-block attention is bidirectional, so their keys/values above the first layer
-depend on the current sub-block's tokens, which change every step; caching
-them (Fast-dLLM's approximate sub-block cache) would change the outputs and
-break the exact replay, and dropping the later all-mask sub-blocks from the
-forward would show the model canvases it was not trained on. With S = B the
-window is the whole block: the same tokens as S = None.
+B, per row at its own offset). By default the rest of the block is not
+cached: inside the block attention is bidirectional, so its keys/values above
+the first layer depend on the current sub-block's tokens, which change every
+step; caching them would change the outputs and break the exact replay.
+`sub_block_cache=True` takes that approximation (Fast-dLLM v2's sub-block
+cache, `_CachedForward._window_forward`): the first step of a sub-block
+forwards the whole block, and its later steps forward only the sub-block (and
+the position before it, whose query predicts the sub-block's first position),
+reading the rest of the block from the keys/values of that whole forward. The
+later all-mask sub-blocks stay in the canvas either way (dropping them would
+show the model canvases it was not trained on). With S = B the window is the
+whole block: the same tokens as S = None, and the cache never applies.
 Measured with the setup of the whole-block table below (B = 32, 200 new tokens;
 the machine was busier: AR ran at 116 tok/s at batch 1, 243 at batch 8;
 batch 1 medians of 3 interleaved runs, batch 8 one run, so +-20% or worse),
@@ -332,6 +337,7 @@ class _CachedForward:
 
     def __init__(
         self, model: PreTrainedModel, ids: torch.Tensor, attn: torch.Tensor, block_size: int, span: int, mask_id: int,
+        sub_block_cache: bool = False,
     ) -> None:
         self.model = model
         self.ids, self.attn = ids, attn.bool()
@@ -342,8 +348,9 @@ class _CachedForward:
         # With B = 1 the next block's mask token would only be a key for itself:
         # leave it out, and the loop is exactly AR decoding.
         self.n_act = block_size if block_size > 1 else 0
-        # Largest column ever written: kept <= prompt + span - B, plus 2B slots.
-        max_len = self.prompt_len + span + block_size
+        # Largest column ever written: kept <= prompt + span - B, plus 2B slots
+        # (3B with the sub-block cache: a window row's dummy slots go after its block).
+        max_len = self.prompt_len + span + block_size * (2 if sub_block_cache else 1)
         self.plan = _WritePlan()
         self.cache = Cache(
             layers=[_RaggedLayer(max_len, self.plan) for _ in range(model.config.num_hidden_layers)]
@@ -363,12 +370,17 @@ class _CachedForward:
         self.keep_ctx = block_size - 1 + self.arange_b
         self.keep_denoise = torch.arange(0, block_size - 1, device=device)
         self.unmasked = no_mask_mapping(model)
+        # The sub-block cache (`diffusion_generate`'s sub_block_cache): per row, the
+        # offset of the sub-block at which its active block was last forwarded whole.
+        self.sub_block_cache = sub_block_cache
+        self.fresh = torch.zeros(rows, dtype=torch.long, device=device)
 
     def select(self, alive: torch.Tensor, alive_list: list[int]) -> None:
         self.cache.batch_select_indices(alive)
         self.slot_pos, self.slot_valid = self.slot_pos[alive], self.slot_valid[alive]
         self.kept = [self.kept[i] for i in alive_list]
         self.kept_t = self.kept_t[alive]
+        self.fresh = self.fresh[alive]
         self.ids, self.attn, self.prompt_pos = self.ids[alive], self.attn[alive], self.prompt_pos[alive]
         if self.first is not None:
             self.first = self.first[alive]
@@ -384,6 +396,7 @@ class _CachedForward:
     def __call__(
         self, resp: torch.Tensor, start: torch.Tensor, plen: torch.Tensor, ctx: torch.Tensor | None,
         ctx_list: list[bool] | None, win: torch.Tensor | None = None,
+        sub: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """(N, W, V) logits predicting the N active blocks' positions `win` (token shift applied).
 
@@ -391,9 +404,90 @@ class _CachedForward:
         finished (`start` already points at their next block), or all False.
         win: None, the whole block (W = B); else (N, W) long block positions,
         ascending per row, starting at 0 in a block that starts here (the
-        prefill, rows with ctx). The forward covers the whole block either
-        way: only which logits are kept depends on it.
+        prefill, rows with ctx). Without the sub-block cache the forward covers
+        the whole block either way: only which logits are kept depends on it.
+        sub: with the sub-block cache, each row's current sub-block, (offset
+            (N,), size (N,)) in block positions. A row whose sub-block is
+            smaller than the block and is the one its block was last forwarded
+            whole at forwards that sub-block alone (`_window_forward`); any other
+            row its whole block, as without the cache.
         """
+        if not self.sub_block_cache or ctx is None or sub is None:
+            return self._exact(resp, start, plen, ctx, ctx_list, win)
+        assert ctx_list is not None
+        off, size = sub
+        is_win = (size < self.block_size) & (off == self.fresh) & ~ctx
+        if bool(is_win.any()):
+            logits = self._window_forward(resp, start, plen, ctx, ctx_list, win, is_win, off, size)
+        else:
+            logits = self._exact(resp, start, plen, ctx, ctx_list, win)
+        self.fresh = torch.where(is_win, self.fresh, off)
+        return logits
+
+    def _window_forward(
+        self, resp: torch.Tensor, start: torch.Tensor, plen: torch.Tensor, ctx: torch.Tensor, ctx_list: list[bool],
+        win: torch.Tensor | None, is_win: torch.Tensor, off: torch.Tensor, size: torch.Tensor,
+    ) -> torch.Tensor:
+        """(N, W, V) logits of a step in which some rows (`is_win`, (N,) bool) forward their sub-block alone.
+
+        Such a row's queries are the S + 1 positions [q0, q0 + S + 1) of its
+        active block, q0 = max(offset - 1, 0): the sub-block and the position
+        before it, whose query predicts the sub-block's first position (token
+        shift; at offset 0 the kept `first` does, and the position after the
+        sub-block is carried instead). They attend the cache, where the rest of
+        the block keeps the keys/values of the forward that last covered it
+        whole (Fast-dLLM v2's approximate sub-block cache). Rows with ctx carry
+        their finished block and the next one (2B queries), the other rows
+        their whole active block (B), as in `_exact`. Rows with fewer queries
+        than the widest pad with invalid dummy slots written after their block.
+        """
+        bsz = self.block_size
+        rows = resp.shape[0]
+        q0 = (off - 1).clamp(min=0)
+        rel0 = torch.where(ctx, -bsz, torch.where(is_win, q0, 0))  # (N,) first query, relative to `start`
+        count = torch.where(ctx, 2 * bsz, torch.where(is_win, size + 1, bsz))  # (N,) real queries
+        count_list, rel0_list = count.tolist(), rel0.tolist()
+        n_q = max(count_list)
+        j = torch.arange(n_q, device=resp.device)
+        valid = j < count[:, None]  # (N, Q)
+        rel = rel0[:, None] + j
+        kept = self.kept_t[:, None]
+        own_col = kept + torch.where(ctx[:, None], bsz + rel, rel)
+        cols = torch.where(valid, own_col, kept + bsz + j - count[:, None])  # dummies right after the block
+        width = max(k + (2 * bsz if c else bsz + n_q - n) for k, c, n in zip(self.kept, ctx_list, count_list))
+        tokens = resp.gather(1, (start[:, None] + rel).clamp(0, resp.shape[1] - 1))
+        pos = plen[:, None] + start[:, None] + torch.where(valid, rel, 0)
+        plan = self.plan
+        plan.width = width
+        aligned = len(set(self.kept)) == 1 and len(set(rel0_list)) == 1 and len(set(count_list)) == 1
+        plan.start, plan.columns = (self.kept[0] + rel0_list[0], None) if aligned else (None, cols)
+        if any(ctx_list):
+            self.slot_pos.scatter_(1, cols, pos)
+            self.slot_valid.scatter_(1, cols, valid)
+            mask = block_diffusion_mask(
+                pos, valid, cols, self.slot_pos[:, :width], self.slot_valid[:, :width], plen, bsz
+            )
+        else:
+            # Every query (a dummy too) may see every valid slot: the cache is all
+            # before it and its block is bidirectional; the dummies are invalid.
+            mask = self.slot_valid[:, None, None, :width]
+        where = self.arange_b.expand(rows, -1) if win is None else win
+        # Block position p is predicted at query p - 1 - rel0 (clamped where the
+        # row has no such query: position 0 takes `first`, and outside a window
+        # row's sub-block nothing is open, so those logits are never used).
+        logits = self._run(tokens, mask, pos, (where - 1 - rel0[:, None]).clamp(0, n_q - 1))
+        assert self.first is not None
+        self.first = torch.where(ctx[:, None], logits[:, 0], self.first)  # a ctx row's window starts at 0
+        logits[:, 0] = torch.where((where[:, 0] == 0)[:, None], self.first, logits[:, 0])
+        self.kept = [k + bsz if c else k for k, c in zip(self.kept, ctx_list)]
+        self.kept_t = self.kept_t + bsz * ctx.long()
+        return logits
+
+    def _exact(
+        self, resp: torch.Tensor, start: torch.Tensor, plen: torch.Tensor, ctx: torch.Tensor | None,
+        ctx_list: list[bool] | None, win: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """`__call__` with every row's whole active block in the forward."""
         bsz, n_act = self.block_size, self.n_act
         rows = resp.shape[0]
         plan = self.plan
@@ -554,6 +648,7 @@ def diffusion_generate(
     grammar: ResponseGrammar | None = None,
     explanation_threshold: float | None = None,
     explanation_sub_block_size: int | None = None,
+    sub_block_cache: bool = False,
 ) -> DiffusionDecodeOutput:
     """Decode up to `max_new_tokens` tokens after each prompt by block diffusion, batched.
 
@@ -611,6 +706,17 @@ def diffusion_generate(
             it), while the explanation commits more per forward in whole
             blocks. None: `sub_block_size` everywhere. ValueError without a
             grammar or if it does not divide B.
+        sub_block_cache: an approximation (Fast-dLLM v2's sub-block cache)
+            that changes the tokens. When a row's current sub-block is smaller
+            than the block, the forward that reaches it covers the whole block
+            as above, and the row's later steps in that sub-block forward its
+            S positions alone (and the one before), attending the other
+            positions of the block through the keys/values of that whole
+            forward. A step then costs about S + 1 positions instead of B, and
+            the sub-block's tokens see stale keys/values of the rest of the
+            block until the next sub-block starts. A row's tokens still do not
+            depend on the rows beside it. `gr2model.diffusion_replay` does not
+            rebuild these steps (it replays exact canvases). Needs use_cache.
     Returns:
         DiffusionDecodeOutput: sequences, nfe (every forward, the prefill
         included), generated_tokens, seconds, steps and tails with
@@ -624,6 +730,8 @@ def diffusion_generate(
     if (explanation_threshold is not None or explanation_sub_block_size is not None) and grammar is None:
         raise ValueError("explanation_threshold and explanation_sub_block_size need a grammar: it is what knows where the answer ends")
     check_sub_block_size(block_size, explanation_sub_block_size)
+    if sub_block_cache and not use_cache:
+        raise ValueError("sub_block_cache is a cache: it needs use_cache=True")
     device = next(model.parameters()).device
     ids, attn = left_pad(prompts, pad_id, device)
     batch = ids.shape[0]
@@ -651,7 +759,7 @@ def diffusion_generate(
         first_expl_block = (grammar.template_len + bsz - 1) // bsz * bsz  # (N,) first block start past the answer
     forward: _CachedForward | _RecomputeForward
     if use_cache:
-        forward = _CachedForward(model, ids, attn, bsz, span, mask_id)
+        forward = _CachedForward(model, ids, attn, bsz, span, mask_id, sub_block_cache)
     else:
         forward = _RecomputeForward(model, ids, attn, bsz)
     # Per active row: the response so far (mask_id where not committed), the
@@ -695,6 +803,11 @@ def diffusion_generate(
                 step_sub = None
                 lo = open_.long().argmax(1) // size * size
                 open_ = open_ & (ar >= lo[:, None]) & (ar < (lo + size)[:, None])
+        sub_arg = None
+        if sub_block_cache:
+            # Each row's current sub-block (offset, size), whole blocks included (size B).
+            sizes_t = size if step_sub is None and split_sub else torch.full_like(start, step_sub or bsz)
+            sub_arg = (open_.long().argmax(1) // sizes_t * sizes_t, sizes_t)
         win = None
         if step_sub is not None and step_sub != bsz:
             # Each row's current sub-block: the leftmost with an open position.
@@ -711,7 +824,11 @@ def diffusion_generate(
             # rows beside it, `sample_rows`.)
             win = (ar if win is None else win[0]).masked_select(open_[0] if win is None else open_[0, win[0]])[None]
 
-        logits = forward(resp, start, plen, ctx, ctx_list, win)
+        if sub_arg is None:
+            logits = forward(resp, start, plen, ctx, ctx_list, win)
+        else:
+            assert isinstance(forward, _CachedForward)
+            logits = forward(resp, start, plen, ctx, ctx_list, win, sub=sub_arg)
         step = nfe
         nfe += 1
         # Before `propose`, which bans the mask column in place: the raw log-partition.

@@ -66,7 +66,7 @@ def random_rankings(incoming: Sequence[Sequence[int]], seed: int) -> list[list[i
 
 def decoder_kwargs(
     model, threshold: float, sub_block_size: int | None = None, explanation_threshold: float | None = None,
-    explanation_sub_block_size: int | None = None,
+    explanation_sub_block_size: int | None = None, sub_block_cache: bool = False,
 ) -> dict:
     """The `lm_rerank` keyword arguments that decode with the model's own decoder.
 
@@ -78,7 +78,8 @@ def decoder_kwargs(
     model's block size, before anything is decoded), and `explanation_threshold`
     when not None (the threshold after the answer; it needs `lm_rerank`'s
     `constrained`), and `explanation_sub_block_size` likewise (the sub-block
-    size of the blocks past the answer).
+    size of the blocks past the answer), and `sub_block_cache` when True
+    (Fast-dLLM v2's approximate sub-block cache; it changes the tokens).
     """
     if getattr(model.config, "block_size", None) is None:
         return {}
@@ -92,6 +93,8 @@ def decoder_kwargs(
     if explanation_sub_block_size is not None:
         check_sub_block_size(block_size, explanation_sub_block_size)
         kwargs["explanation_sub_block_size"] = explanation_sub_block_size
+    if sub_block_cache:
+        kwargs["sub_block_cache"] = True
     return kwargs
 
 

@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from transformers import DynamicCache
 
 from gr2model.ar_decode import ar_generate
 from gr2model.block_diffusion import block_causal_mask
@@ -418,6 +419,116 @@ def test_bad_sub_block_size(model, prompts, mask_id, sub) -> None:
     with pytest.raises(ValueError):
         dd.check_sub_block_size(8, sub)
     dd.check_sub_block_size(8, None)
+
+
+# ------------------------------------------------------- the sub-block cache
+
+
+def window_forward_logits(model, prompt, canvas_then, canvas_now, block, q0, queries, bsz):
+    """(queries, V) logits of a sub-block step with the sub-block cache, built independently.
+
+    The keys/values of one full forward over `canvas_then` (the step that last covered the
+    block whole, block mask), less the columns of the `queries` positions [q0, q0 + queries)
+    of block `block`; those positions recomputed from `canvas_now`, attending all of it.
+    Attention does not care where a key sits in the cache: its position is in its rotation.
+    """
+    p = len(prompt)
+    end = (block + 1) * bsz
+    ids = torch.tensor([prompt + canvas_then[:end]])
+    full_mask = block_causal_mask(torch.ones_like(ids), p, bsz)
+    cache = DynamicCache(config=model.config)
+    model(input_ids=ids, attention_mask=full_mask, position_ids=torch.arange(ids.shape[1])[None], cache=cache, use_cache=True)
+    lo = p + block * bsz + q0
+    keep = [c for c in range(ids.shape[1]) if not lo <= c < lo + queries]
+    window = DynamicCache(config=model.config)
+    for i, layer in enumerate(cache.layers):
+        window.update(layer.keys[:, :, keep], layer.values[:, :, keep], i)
+    x = torch.tensor([canvas_now[block * bsz + q0 : block * bsz + q0 + queries]])
+    mask = torch.ones((1, 1, queries, len(keep) + queries), dtype=torch.bool)
+    out = model(input_ids=x, attention_mask=mask, position_ids=torch.arange(lo, lo + queries)[None], cache=window, use_cache=True)
+    return out.logits[0]
+
+
+def test_sub_block_cache_steps_are_the_documented_approximation(model, prompts, mask_id) -> None:
+    """Every token of a decode with the sub-block cache (one per step) is the argmax of the
+    forward the docstring describes: the sub-block's first step a full forward, its later steps
+    the sub-block (and the position before it) over the keys/values of that full forward."""
+    bsz, sub = 8, 4
+    out = decode(model, prompts[:2], mask_id, block_size=bsz, threshold=2.0, sub_block_size=sub, sub_block_cache=True)
+    exact = decode(model, prompts[:2], mask_id, block_size=bsz, threshold=2.0, sub_block_size=sub)
+    assert out.sequences != exact.sequences  # the approximation changes tokens here (so the check means something)
+    windows = 0
+    for prompt, seq, steps in zip(prompts[:2], out.sequences, out.steps):
+        p = len(prompt)
+
+        def canvas(t: int) -> list[int]:
+            return [seq[i] if i < len(seq) and steps[i] < t else mask_id for i in range(NEW + bsz)]
+
+        for t in sorted(set(steps)):
+            (i,) = [j for j, s in enumerate(steps) if s == t]  # one token per step
+            block, off = i // bsz, i % bsz // sub * sub
+            first = min(s for j, s in enumerate(steps) if j // bsz == block and j % bsz // sub * sub == off)
+            with torch.no_grad():
+                if t == first or i % bsz == 0:  # a full forward (or the kept position-0 logits of one)
+                    then = canvas(first)
+                    end = (block + 1) * bsz
+                    ids = torch.tensor([prompt + then[:end]])
+                    mask = block_causal_mask(torch.ones_like(ids), p, bsz)
+                    logits = model(input_ids=ids, attention_mask=mask, position_ids=torch.arange(ids.shape[1])[None]).logits[0]
+                    row = logits[p - 1 + i]
+                else:
+                    windows += 1
+                    q0 = max(off - 1, 0)
+                    logits = window_forward_logits(model, prompt, canvas(first), canvas(t), block, q0, sub + 1, bsz)
+                    row = logits[i % bsz - 1 - q0]
+            row[mask_id] = float("-inf")
+            assert int(row.argmax()) == seq[i], (t, i)
+    assert windows > 10
+
+
+@pytest.mark.parametrize("threshold", [MIXED, 2.0])
+def test_sub_block_cache_batch_equals_rows_alone(model, prompts, mask_id, threshold) -> None:
+    """A row's tokens do not depend on the rows beside it: ragged rows, finished blocks
+    beside sub-block steps, and rows that refresh beside rows that do not."""
+    ref = decode(model, prompts, mask_id, block_size=8, threshold=threshold, sub_block_size=4, sub_block_cache=True).sequences
+    eos = ref[1][7]
+    kw = dict(block_size=8, threshold=threshold, sub_block_size=4, eos_id=eos, return_logprobs=True, sub_block_cache=True)
+    batched = decode(model, prompts, mask_id, **kw)
+    assert len({len(s) for s in batched.sequences}) > 1
+    for i, prompt in enumerate(prompts):
+        alone = decode(model, [prompt], mask_id, **kw)
+        assert alone.sequences[0] == batched.sequences[i] and alone.steps[0] == batched.steps[i]
+        assert alone.logprobs[0] == pytest.approx(batched.logprobs[i], abs=1e-5)
+
+
+def test_sub_block_cache_forward_widths(model, prompts, mask_id, monkeypatch) -> None:
+    """One token per step, alone: a sub-block's later steps forward S + 1 positions, and a
+    sub-block's first step the whole block; whole blocks (S = B) never take the cache."""
+    widths: list[int] = []
+    run = dd._CachedForward._run
+
+    def spy(self, input_ids, mask, pos, keep):
+        widths.append(input_ids.shape[1])
+        return run(self, input_ids, mask, pos, keep)
+
+    monkeypatch.setattr(dd._CachedForward, "_run", spy)
+    bsz, sub = 8, 4
+    out = decode(model, prompts[:1], mask_id, block_size=bsz, threshold=2.0, sub_block_size=sub, sub_block_cache=True)
+    n_sub = NEW // sub  # 20 new tokens: 5 sub-blocks (the last block's second sub-block is past the limit)
+    # The prefill, then per sub-block one whole-block forward (a finished block's forward
+    # carries 2B) and S - 1 sub-block forwards.
+    assert widths[0] == len(prompts[0]) + bsz
+    assert sorted(set(widths[1:])) == [sub + 1, bsz, 2 * bsz]
+    assert widths.count(sub + 1) == n_sub * (sub - 1) and len(widths) == out.nfe == NEW
+    widths.clear()
+    whole = decode(model, prompts[:1], mask_id, block_size=bsz, threshold=2.0, sub_block_size=bsz, sub_block_cache=True)
+    assert sub + 1 not in widths
+    assert whole.sequences == decode(model, prompts[:1], mask_id, block_size=bsz, threshold=2.0).sequences
+
+
+def test_sub_block_cache_needs_the_cache(model, prompts, mask_id) -> None:
+    with pytest.raises(ValueError, match="use_cache"):
+        decode(model, prompts[:1], mask_id, block_size=8, threshold=0.5, sub_block_size=4, sub_block_cache=True, use_cache=False)
 
 
 def test_benchmark_has_sub_block_rows() -> None:
