@@ -195,6 +195,9 @@ def cmd_bench_decode(args: argparse.Namespace) -> int:
         ("taus", args.tau), ("batch_sizes", args.batch_size), ("examples", args.examples),
         ("spec_draft_mode", args.draft_mode), ("spec_draft_len", args.draft_len),
     ) if v}  # fmt: skip
+    if args.sub_block_cache:
+        overrides["sub_block_cache_sizes"] = args.sub_block_cache
+        overrides["sub_block_sizes"] = sorted(set(cfg.bench.sub_block_sizes) | set(args.sub_block_cache), reverse=True)
     cfg = cfg.model_copy(update={"bench": cfg.bench.model_copy(update=overrides)})
     if not (root / GR2).exists():
         print(f"{root / GR2}: no GR2 checkpoint; run `gr2 run --stage cft` first", file=sys.stderr)
@@ -409,6 +412,7 @@ def build_parser() -> argparse.ArgumentParser:
     bd.add_argument("--examples", type=int, default=None, help="first N test re-ranking examples (default: params)")
     bd.add_argument("--draft-mode", choices=["block", "window"], default=None, help="speculative drafting on the drafter's blocks or in a window (default: params)")
     bd.add_argument("--draft-len", type=int, default=None, help="tokens drafted per round (default: params)")
+    bd.add_argument("--sub-block-cache", type=int, action="append", metavar="S", help="also decode the sub-block-S rows with the approximate sub-block cache (repeatable; default: params evaluate.bench.sub_block_cache_sizes)")
     bd.set_defaults(fn=cmd_bench_decode)
     bs = bench_sub.add_parser("serve", help="load-test a served re-ranker on loopback: no 5xx, valid rankings, latency percentiles")
     bs.add_argument("model", nargs="?", default=None, help="MODEL@ALIAS (default: diffusion-gr2@champion, else gr2@champion)")

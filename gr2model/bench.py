@@ -14,6 +14,9 @@ Rows (one per decoder, model, threshold, sub-block size and batch size):
     tau: the commit threshold (None for AR)
     sub_block_size: the diffusion decoder's sub-block size (None: whole
         blocks, and for AR); rows with one come only when asked for
+    sub_block_cache: True on the rows decoded with the approximate sub-block
+        cache (`diffusion_generate`'s sub_block_cache; only when asked for),
+        False on the other diffusion rows, None for AR and speculative rows
     explanation_tau, explanation_sub_block_size: the threshold and sub-block
         size after the answer (None: tau, sub_block_size), rows with them
         only when asked for (constrained decoding)
@@ -75,7 +78,7 @@ from gr2model.speculative import SpeculativeDecodeOutput
 log = logging.getLogger(__name__)
 
 SPEED_FIELDS = (
-    "decoder", "model", "tau", "sub_block_size", "explanation_tau", "explanation_sub_block_size", "batch_size", "n", "seconds", "tokens_per_s", "speedup", "nfe_per_token",
+    "decoder", "model", "tau", "sub_block_size", "sub_block_cache", "explanation_tau", "explanation_sub_block_size", "batch_size", "n", "seconds", "tokens_per_s", "speedup", "nfe_per_token",
     "tokens_per_forward", "forward_cost", "projected_speedup", "response_tokens", "recall@1", "ndcg@3", "valid_format_rate", "valid_permutation_rate",
     "grammar_changed_rate", "explanation_nll_gr2", "draft_len", "draft_steps", "draft_mode", "mean_accepted_length", "ar_forwards_per_token", "draft_forwards_per_token",
     "equal_to_gr2",
@@ -125,6 +128,7 @@ def speculative_stats(out: LMRerankResult) -> dict[str, float]:
 def _row(
     decoder: str, model: str, tau: float | None, batch_size: int, out: LMRerankResult, targets: Sequence[int],
     sub_block_size: int | None = None, explanation_tau: float | None = None, explanation_sub_block_size: int | None = None,
+    sub_block_cache: bool | None = None,
 ) -> dict[str, Any]:
     m = rerank_metrics(out.parsed, targets)
     tokens = max(out.generated_tokens, 1)
@@ -133,6 +137,7 @@ def _row(
         "model": model,
         "tau": tau,
         "sub_block_size": sub_block_size,
+        "sub_block_cache": sub_block_cache,
         "explanation_tau": explanation_tau,
         "explanation_sub_block_size": explanation_sub_block_size,
         "batch_size": batch_size,
@@ -181,6 +186,7 @@ def decode_benchmark(
     ar_name: str = "gr2",
     on_row: Callable[[dict[str, Any]], None] | None = None,
     sub_block_sizes: Sequence[int] = (),
+    sub_block_cache_sizes: Sequence[int] = (),
     drafters: Mapping[str, PreTrainedModel] | None = None,
     draft_len: int = 8,
     draft_steps: int = 2,
@@ -205,6 +211,9 @@ def decode_benchmark(
             diffusion model, threshold and S here, decoded with
             sub_block_size=S; a model whose block size S does not divide is
             skipped for that S (logged). Empty (default): no such rows.
+        sub_block_cache_sizes: besides each of those rows whose S is here (and
+            smaller than the block), one more decoded with the approximate
+            sub-block cache (`sub_block_cache`: True). Empty: no such rows.
         drafters: name -> block-diffusion model: one speculative row each
             ("spec", module docstring), GR2 verifying its drafts of
             `draft_len` tokens made in `draft_steps` forwards, on its blocks or in a
@@ -232,6 +241,8 @@ def decode_benchmark(
     """
     if any(s < 1 for s in sub_block_sizes):
         raise ValueError(f"sub_block_sizes must be >= 1, got {list(sub_block_sizes)}")
+    if not set(sub_block_cache_sizes) <= set(sub_block_sizes):
+        raise ValueError(f"sub_block_cache_sizes {list(sub_block_cache_sizes)} must be among sub_block_sizes {list(sub_block_sizes)}")
     drafters = drafters or {}
     if drafters and (draft_len < 1 or draft_steps < 1):
         raise ValueError(f"draft_len and draft_steps must be >= 1, got {draft_len}, {draft_steps}")
@@ -265,9 +276,14 @@ def decode_benchmark(
                 for sub in subs:
                     # e == tau changes only the explanation's sub-blocks: a row only where they differ.
                     equal_ok = sub is not None and explanation_sub_block_size not in (None, sub)
-                    for expl in [None, *(e for e in explanation_taus if constrained and (e < tau or (e == tau and equal_ok)))]:
-                        tag = ("" if sub is None else f" s{sub}") + ("" if expl is None else f" e{expl}")
-                        extra: dict[str, Any] = {}
+                    variants: list[tuple[float | None, bool]] = [
+                        (e, False) for e in [None, *(e for e in explanation_taus if constrained and (e < tau or (e == tau and equal_ok)))]
+                    ]
+                    if sub in sub_block_cache_sizes and sub < block_size:
+                        variants.append((None, True))
+                    for expl, cached in variants:
+                        tag = ("" if sub is None else f" s{sub}") + ("" if expl is None else f" e{expl}") + (" cache" if cached else "")
+                        extra: dict[str, Any] = {"sub_block_cache": True} if cached else {}
                         if expl is not None:
                             extra["explanation_threshold"] = expl
                             if explanation_sub_block_size is not None and block_size % explanation_sub_block_size == 0:
@@ -279,7 +295,7 @@ def decode_benchmark(
                         )  # fmt: skip
                         row = _row(
                             "diffusion", name, tau, bs, out, targets, sub_block_size=sub, explanation_tau=expl,
-                            explanation_sub_block_size=extra.get("explanation_sub_block_size"),
+                            explanation_sub_block_size=extra.get("explanation_sub_block_size"), sub_block_cache=cached,
                         )  # fmt: skip
                         if scorer is not None:
                             row["explanation_nll_gr2"] = mean_explanation_nll(scorer, tok, lists, items, fmt, out.sequences)
@@ -306,7 +322,8 @@ def decode_benchmark(
 def speed_table(rows: Sequence[Mapping[str, Any]]) -> str:
     """The rows as a markdown table (the benchmark's printed and reported form).
 
-    A sub_block_size column only when some row has one, and the speculative
+    A sub_block_size column only when some row has one (sub_block_cache when
+    some row takes the cache), and the speculative
     columns only when some row is speculative (the default table is unchanged).
     """
     cols: tuple[str, ...] = ("decoder", "model", "tau", "batch_size", "tokens_per_s", "speedup", "nfe_per_token", "forward_cost", "projected_speedup", "response_tokens", "recall@1", "valid_format_rate")
@@ -314,6 +331,8 @@ def speed_table(rows: Sequence[Mapping[str, Any]]) -> str:
         cols = cols[:3] + ("explanation_sub_block_size",) + cols[3:]
     if any(r.get("explanation_tau") is not None for r in rows):
         cols = cols[:3] + ("explanation_tau",) + cols[3:]
+    if any(r.get("sub_block_cache") for r in rows):
+        cols = cols[:3] + ("sub_block_cache",) + cols[3:]
     if any(r.get("sub_block_size") is not None for r in rows):
         cols = cols[:3] + ("sub_block_size",) + cols[3:]
     if any(r.get("grammar_changed_rate") is not None for r in rows):

@@ -90,6 +90,9 @@ class BenchParams(StageConfig):
     examples: Count = 64  # the first N test re-ranking examples (the same for every decoder)
     models: list[str] = ["dgr2-cft", "dgr2"]  # diffusion models raced against GR2 (those that exist)
     sub_block_sizes: list[Count] = []  # extra diffusion rows decoding sub-block by sub-block (each must divide the block)
+    # Besides the sub-block rows of these sizes (among sub_block_sizes), one more each decoded with the
+    # approximate sub-block cache (gr2model.diffusion_decode's sub_block_cache).
+    sub_block_cache_sizes: list[Count] = []
     # Extra diffusion rows decoding the explanation at each of these thresholds (those below the
     # row's tau; the diffusion rows decode under the answer grammar when evaluate.constrained).
     explanation_taus: list[Unit] = []
@@ -125,6 +128,9 @@ class EvaluateConfig(StageConfig):
     # The accuracy table's diffusion decoder commits within sub-blocks of this size; that it divides
     # the block size is checked at decode time (the block size is the checkpoint's, not a param here).
     sub_block_size: Count | None = None
+    # The accuracy table's diffusion rows with the approximate sub-block cache (Fast-dLLM v2; it changes
+    # the tokens: a sub-block's later steps forward the sub-block alone; gr2model.diffusion_decode).
+    sub_block_cache: bool = False
     naive_block_size: Count = 32  # block size of dgr2-naive when no diffusion checkpoint says otherwise
     # The `spec-<drafter>` row: GR2 verifies the drafts of the first of these diffusion models that
     # exists (drafting with bench.spec_draft_len and bench.spec_steps), on the diffusion rows' examples.
@@ -268,6 +274,7 @@ def _decode_eval(
             model, cfg.tau, sub_block_size=cfg.sub_block_size,
             explanation_threshold=cfg.explanation_tau if constrained else None,
             explanation_sub_block_size=cfg.explanation_sub_block_size if constrained else None,
+            sub_block_cache=cfg.sub_block_cache,
         )  # fmt: skip
     out = lm_rerank(
         model, tok, df, items, fmt, batch_size=cfg.batch_size, max_new_tokens=cfg.max_new_tokens, desc=name, state=state,
@@ -290,6 +297,8 @@ def decoding_note(cfg: EvaluateConfig) -> str:
         note += f", explanation sub-blocks of {cfg.explanation_sub_block_size}"
     if cfg.sub_block_size is not None:
         note += f", sub-blocks of {cfg.sub_block_size}"
+    if cfg.sub_block_cache:
+        note += " with the approximate sub-block cache"
     if cfg.constrained:
         note += "; every LM row under the answer grammar (grammar_changed_rate: the answers it changed)"
     note += "; explanation_nll_gr2: GR2's mean NLL per explanation token"
@@ -350,6 +359,7 @@ def speed_metric_key(row: dict[str, Any]) -> str:
     sub = f".s{row['sub_block_size']}" if row.get("sub_block_size") else ""
     sub += f".e{row['explanation_tau']}" if row.get("explanation_tau") is not None else ""
     sub += f".es{row['explanation_sub_block_size']}" if row.get("explanation_sub_block_size") is not None else ""
+    sub += ".cache" if row.get("sub_block_cache") else ""
     return f"speed.{row['model']}.{row['decoder']}.tau{tau}.b{row['batch_size']}{sub}.speedup"
 
 
@@ -362,8 +372,8 @@ def mark_every_example(rows: list[dict[str, Any]], results: dict[str, dict[str, 
     for r in rows:
         if r["decoder"] != "diffusion" or r["model"] not in results:
             continue
-        setting = (r["tau"], r.get("sub_block_size"), r.get("explanation_tau"), r.get("explanation_sub_block_size"))
-        if setting != (cfg.tau, cfg.sub_block_size, cfg.explanation_tau, cfg.explanation_sub_block_size):
+        setting = (r["tau"], r.get("sub_block_size"), r.get("explanation_tau"), r.get("explanation_sub_block_size"), bool(r.get("sub_block_cache")))
+        if setting != (cfg.tau, cfg.sub_block_size, cfg.explanation_tau, cfg.explanation_sub_block_size, cfg.sub_block_cache):
             continue
         by_split = [m for m in results[r["model"]].values() if "recall@1_vs_gr2" in m]
         if by_split:
@@ -405,6 +415,7 @@ def run_bench(
     rows = decode_benchmark(
         gr2, racers, tok, lists, items, fmt, taus=cfg.bench.taus, batch_sizes=cfg.bench.batch_sizes,
         max_new_tokens=cfg.max_new_tokens, on_row=on_row, sub_block_sizes=tuple(cfg.bench.sub_block_sizes),
+        sub_block_cache_sizes=tuple(cfg.bench.sub_block_cache_sizes),
         drafters=drafters, draft_len=cfg.bench.spec_draft_len, draft_steps=cfg.bench.spec_steps,
         draft_mode=cfg.bench.spec_draft_mode, constrained=cfg.constrained and covers(fmt), explanation_taus=tuple(cfg.bench.explanation_taus),
         explanation_sub_block_size=cfg.bench.explanation_sub_block_size, scorer=gr2 if covers(fmt) else None,

@@ -125,6 +125,8 @@ def setting_label(row: Mapping[str, Any]) -> str:
     parts = [f"tau {row.get('tau')}"]
     if row.get("sub_block_size") is not None:
         parts.append(f"sub-block {row['sub_block_size']}")
+    if row.get("sub_block_cache"):
+        parts.append("sub-block cache")
     if row.get("explanation_tau") is not None:
         parts.append(f"explanation {row['explanation_tau']}")
     if row.get("explanation_sub_block_size") is not None:

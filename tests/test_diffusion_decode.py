@@ -567,6 +567,17 @@ def test_benchmark_has_sub_block_rows() -> None:
     assert "| sub_block_size |" in speed_table(rows)
     with pytest.raises(ValueError):
         decode_benchmark(ar, {"d": dgr2}, tok, lists, toy_items(), fmt, sub_block_sizes=[0], **args)
+    # The sub-block cache: one more row for each listed S below the block (S 4 is the block: none).
+    cached = decode_benchmark(ar, {"d": dgr2}, tok, lists, toy_items(), fmt, sub_block_sizes=[4, 2], sub_block_cache_sizes=[4, 2], **args)
+    assert [(r["sub_block_size"], r["sub_block_cache"]) for r in cached if r["decoder"] == "diffusion"] == [
+        (None, False), (4, False), (2, False), (2, True)
+    ]
+    assert cached[0]["sub_block_cache"] is None and "| sub_block_cache |" in speed_table(cached)
+    assert "sub_block_cache" not in speed_table(rows)
+    with pytest.raises(ValueError, match="among sub_block_sizes"):
+        decode_benchmark(ar, {"d": dgr2}, tok, lists, toy_items(), fmt, sub_block_sizes=[2], sub_block_cache_sizes=[4], **args)
+    assert decoder_kwargs(dgr2, 0.9, sub_block_size=2, sub_block_cache=True)["sub_block_cache"] is True
+    assert "sub_block_cache" not in decoder_kwargs(dgr2, 0.9, sub_block_size=2)
     # Under the grammar, explanation rows: below tau always; at tau only with sub-blocks whose
     # explanation size differs (whole blocks after S 2). The answer's tokens are the plain S 2 row's.
     k = len(TOY_CANDIDATES[0])

@@ -26,3 +26,20 @@ def test_paired_differences_use_the_examples_both_models_saw() -> None:
     assert "recall@1_vs_prerank" not in results["prerank"]["test"]
     lo, hi = results["prerank"]["test"]["ndcg@3_ci95"]
     assert lo <= float(np.where(prerank < 3, 1 / np.log2(prerank + 2), 0).mean()) <= hi
+
+
+def test_bench_rows_with_the_sub_block_cache_are_their_own_setting() -> None:
+    """A cached row has its own MLflow key, and takes the accuracy table's judgement only when
+    the table decoded with the cache too."""
+    from tasks.evaluate import EvaluateConfig, mark_every_example, speed_metric_key
+
+    base = {"decoder": "diffusion", "model": "dgr2", "tau": 0.9, "sub_block_size": 8, "explanation_tau": None,
+            "explanation_sub_block_size": None, "batch_size": 1}  # fmt: skip
+    plain, cached = {**base, "sub_block_cache": False}, {**base, "sub_block_cache": True}
+    assert speed_metric_key(plain) == "speed.dgr2.diffusion.tau0.9.b1.s8.speedup"
+    assert speed_metric_key(cached) == "speed.dgr2.diffusion.tau0.9.b1.s8.cache.speedup"
+    results = {"dgr2": {"test": {"recall@1_vs_gr2": {"diff": -0.001}, "valid_format_rate": 1.0}}}
+    for flag in (False, True):
+        rows = [dict(plain), dict(cached)]
+        mark_every_example(rows, results, EvaluateConfig(tau=0.9, sub_block_size=8, sub_block_cache=flag))
+        assert ["every_example_recall@1_vs_gr2" in r for r in rows] == [not flag, flag]
