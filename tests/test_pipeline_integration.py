@@ -95,8 +95,9 @@ def test_dvc_outputs_and_metrics(smoke_run: dict[str, Any]) -> None:
     # smoke bench: batch sizes 1 and 4; AR (ours, HF) + dgr2-cft and dgr2 at two thresholds each,
     # whole blocks and sub-blocks of 8, + at tau 0.9 the explanation at 0.5 (constrained; whole blocks
     # and S 8), + at each tau the explanation at that tau in whole blocks after S 8 (evaluate's setting
-    # at 0.9) + GR2 verifying the drafts of each drafter stage (naive, cft, opd, rl)
-    assert len(speed["rows"]) == 2 * (2 + 2 * 2 * 2 + 2 * 2 + 2 * 2 + 4)
+    # at 0.9) + at each tau S 8 with the sub-block cache + GR2 verifying the drafts of each drafter
+    # stage (naive, cft, opd, rl)
+    assert len(speed["rows"]) == 2 * (2 + 2 * 2 * 2 + 2 * 2 + 2 * 2 + 2 * 2 + 4)
     diffusion_rows = [r for r in speed["rows"] if r["decoder"] == "diffusion"]
     assert all(r["valid_format_rate"] == 1.0 and r["grammar_changed_rate"] is not None for r in diffusion_rows)  # under the grammar
     assert sorted({(r["tau"], r["explanation_tau"]) for r in diffusion_rows}, key=str) == [(0.5, 0.5), (0.5, None), (0.9, 0.5), (0.9, 0.9), (0.9, None)]
@@ -112,6 +113,8 @@ def test_dvc_outputs_and_metrics(smoke_run: dict[str, Any]) -> None:
         assert r["equal_to_gr2"] > 0.5 and r["draft_len"] == 4 and r["mean_accepted_length"] >= 0
         assert abs(r["ar_forwards_per_token"] + r["draft_forwards_per_token"] - r["nfe_per_token"]) < 1e-9
     assert sorted({r["sub_block_size"] for r in speed["rows"] if r["decoder"] == "diffusion"}, key=str) == [8, None]
+    cached = [r for r in diffusion_rows if r["sub_block_cache"]]
+    assert len(cached) == 2 * 2 * 2 and all(r["sub_block_size"] == 8 and r["explanation_tau"] is None for r in cached)
     assert {r["model"] for r in speed["rows"] if r["decoder"] == "diffusion"} == {"dgr2-cft", "dgr2"}
     for row in speed["rows"]:
         assert set(row) >= {"decoder", "model", "tau", "batch_size", "tokens_per_s", "speedup", "nfe_per_token", "forward_cost", "projected_speedup", "response_tokens", "recall@1", "valid_format_rate"}
