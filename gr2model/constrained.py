@@ -47,9 +47,8 @@ decoding.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Sequence
-from functools import cached_property
+from functools import cached_property, lru_cache
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -89,7 +88,7 @@ def answer_template(k: int) -> list[str]:
     return out + ["]", ",", EXPLANATION_KEY, ":", '"']
 
 
-@functools.lru_cache(maxsize=8)
+@lru_cache(maxsize=8)
 def _word_mask(tokenizer: PreTrainedTokenizerBase, tokenizer_len: int, vocab: int) -> torch.Tensor:
     """(vocab,) bool: the tokens a word of the explanation may be.
 
