@@ -450,7 +450,7 @@ class WindowDrafter:
         rows, prompt_len = ids.shape
         # Columns: the prompt, the accepted tokens, then a round's chunk (its fed
         # tokens <= the last round's draft + 1, its window <= max_new_tokens).
-        self.cache = _VerifierCache(self.model, rows, prompt_len + 3 * max_new_tokens + 1, ids.device)
+        self.cache = _AcceptedKVCache(self.model, rows, prompt_len + 3 * max_new_tokens + 1, ids.device)
         self.vocab_size = vocab_size
         # The prompt but its last token, causal as in every block-diffusion prefill;
         # the last one is fed with the first window (its logits predict the first draft).
@@ -611,7 +611,7 @@ def accept_sampling(
 # ---------------------------------------------------------------- the AR verifier's cache
 
 
-class _VerifierCache:
+class _AcceptedKVCache:
     """A ragged KV cache of accepted tokens: per row, `kept` valid columns; each chunk goes after them.
 
     The AR verifier's (causal chunks) and the window drafter's (bidirectional
@@ -764,7 +764,7 @@ def speculative_generate(
 
     # The AR cache: prompt minus its last token (which is the first query of
     # the first verify forward), then per row the accepted tokens but the last.
-    verifier = _VerifierCache(model, batch, prompt_len + max_new_tokens + draft_len, device)
+    verifier = _AcceptedKVCache(model, batch, prompt_len + max_new_tokens + draft_len, device)
     ar_nfe = verifier.prefill(ids, attn)
 
     # Per active row: accepted response (+ room for a round's overshoot), its

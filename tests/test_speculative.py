@@ -197,14 +197,14 @@ def test_batch_of_one_equals_batched(model, prompts, mask_id, ar_ref, kind) -> N
 def test_window_drafter_feeds_each_accepted_token_once(model, prompts, mask_id, monkeypatch) -> None:
     """Each round's drafter forward holds the tokens accepted since the last one, then the window: never a whole block."""
     widths: list[tuple[int, int]] = []
-    real = sp._VerifierCache.forward
+    real = sp._AcceptedKVCache.forward
 
     def spy(self, ids, pos, valid, logits_to_keep=0, bidirectional=False):
         if bidirectional:
             widths.append((ids.shape[1], int(valid.sum())))
         return real(self, ids, pos, valid, logits_to_keep, bidirectional)
 
-    monkeypatch.setattr(sp._VerifierCache, "forward", spy)
+    monkeypatch.setattr(sp._AcceptedKVCache, "forward", spy)
     k = 3
     drafter = WindowDrafter(model, 1, mask_id=mask_id)
     out = spec(model, drafter, prompts[:1], draft_len=k)
@@ -266,7 +266,7 @@ def test_verify_logits_after_rejections_equal_a_full_forward(model, bad_model, p
     """The AR cache rolled back after rejections scores each chunk as a from-scratch forward would."""
 
     chunks: list[tuple[list[int], int, torch.Tensor]] = []
-    real = sp._VerifierCache.forward
+    real = sp._AcceptedKVCache.forward
 
     def spy(self, ids, pos, valid, logits_to_keep=0):
         logits = real(self, ids, pos, valid, logits_to_keep)
@@ -275,7 +275,7 @@ def test_verify_logits_after_rejections_equal_a_full_forward(model, bad_model, p
             chunks.append((ids[0, :n].tolist(), int(pos[0, 0]), logits[0, :n].clone()))
         return logits
 
-    monkeypatch.setattr(sp._VerifierCache, "forward", spy)
+    monkeypatch.setattr(sp._AcceptedKVCache, "forward", spy)
     for prompt in prompts:
         chunks.clear()
         out = spec(model, DiffusionDrafter(bad_model, 2, block_size=4, mask_id=mask_id), [prompt], draft_len=4)
