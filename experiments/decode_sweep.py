@@ -23,10 +23,8 @@ from pathlib import Path
 
 from gr2model.ar_decode import ar_generate
 from gr2model.checkpoint import load_hf_checkpoint
-from gr2model.data import load_prepared
-from gr2model.rerank_eval import decoder_kwargs, lm_rerank, rerank_examples
-from gr2model.rerank_format import ItemText
-from tasks.traces import load_format, load_lists
+from gr2model.rerank_eval import decoder_kwargs, lm_rerank
+from tasks.evaluate import bench_inputs
 
 
 def parse_setting(text: str) -> tuple[float, dict]:
@@ -51,10 +49,7 @@ def main() -> None:
     p.add_argument("--runs", type=int, default=2)
     a = p.parse_args()
     settings = {s: parse_setting(s) for s in a.settings}
-    fmt = load_format(a.root)
-    ds, _ = load_prepared(a.root / "data/prepared")
-    items = ItemText(ds.items)
-    lists = rerank_examples(load_lists(a.root, "test")).head(a.examples)
+    fmt, items, lists = bench_inputs(a.root, a.examples)
     gr2, tok = load_hf_checkpoint(a.root / "checkpoints/gr2")
     model, _ = load_hf_checkpoint(a.root / a.checkpoint)
     common = dict(batch_size=a.batch_size, max_new_tokens=320)

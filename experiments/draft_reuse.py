@@ -24,11 +24,9 @@ from collections import Counter
 from pathlib import Path
 
 from gr2model.checkpoint import load_hf_checkpoint
-from gr2model.data import load_prepared
-from gr2model.rerank_eval import lm_rerank, rerank_examples, speculative_kwargs
-from gr2model.rerank_format import ItemText
+from gr2model.rerank_eval import lm_rerank, speculative_kwargs
 from gr2model.speculative import Draft, WindowDrafter
-from tasks.traces import load_format, load_lists
+from tasks.evaluate import bench_inputs
 
 
 class RecordingDrafter(WindowDrafter):
@@ -72,10 +70,7 @@ def main() -> None:
     p.add_argument("--draft-len", type=int, default=8)
     p.add_argument("--examples", type=int, default=32)
     a = p.parse_args()
-    fmt = load_format(a.root)
-    ds, _ = load_prepared(a.root / "data/prepared")
-    items = ItemText(ds.items)
-    lists = rerank_examples(load_lists(a.root, "test")).head(a.examples)
+    fmt, items, lists = bench_inputs(a.root, a.examples)
     gr2, tok = load_hf_checkpoint(a.root / "checkpoints/gr2")
     drafter_model, _ = load_hf_checkpoint(a.root / a.drafter)
     kwargs = speculative_kwargs(drafter_model, 1, a.draft_len, "window")

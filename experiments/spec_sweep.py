@@ -26,11 +26,9 @@ import torch
 
 from gr2model.ar_decode import ar_generate
 from gr2model.checkpoint import load_hf_checkpoint
-from gr2model.data import load_prepared
-from gr2model.rerank_eval import lm_rerank, rerank_examples, speculative_kwargs
-from gr2model.rerank_format import ItemText
+from gr2model.rerank_eval import lm_rerank, speculative_kwargs
 from gr2model.speculative import Draft, Drafter
-from tasks.traces import load_format, load_lists
+from tasks.evaluate import bench_inputs
 
 
 class AdaptiveWindow:
@@ -74,10 +72,7 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--steps", type=int, default=1, help="drafter forwards per round")
     a = p.parse_args()
-    fmt = load_format(a.root)
-    ds, _ = load_prepared(a.root / "data/prepared")
-    items = ItemText(ds.items)
-    lists = rerank_examples(load_lists(a.root, "test")).head(a.examples)
+    fmt, items, lists = bench_inputs(a.root, a.examples)
     gr2, tok = load_hf_checkpoint(a.root / a.verifier)
     drafter_model, _ = load_hf_checkpoint(a.root / a.drafter)
     common = dict(batch_size=a.batch_size, max_new_tokens=320)

@@ -35,10 +35,8 @@ import torch.nn.functional as F
 
 from gr2model.ar_decode import ar_generate
 from gr2model.checkpoint import load_hf_checkpoint
-from gr2model.data import load_prepared
-from gr2model.rerank_eval import decoder_kwargs, lm_rerank, rerank_examples, speculative_kwargs
-from gr2model.rerank_format import ItemText
-from tasks.traces import load_format, load_lists
+from gr2model.rerank_eval import decoder_kwargs, lm_rerank, speculative_kwargs
+from tasks.evaluate import bench_inputs
 
 sys.path.insert(0, str(Path(__file__).parent))
 from decode_sweep import parse_setting  # noqa: E402  (a sibling script, not a package)
@@ -96,10 +94,7 @@ def main() -> None:
     p.add_argument("--runs", type=int, default=2)
     p.add_argument("--bf16-linears", action="store_true", help="the diffusion model's linears in bf16 (not GR2's)")
     a = p.parse_args()
-    fmt = load_format(a.root)
-    ds, _ = load_prepared(a.root / "data/prepared")
-    items = ItemText(ds.items)
-    lists = rerank_examples(load_lists(a.root, "test")).head(a.examples)
+    fmt, items, lists = bench_inputs(a.root, a.examples)
     gr2, tok = load_hf_checkpoint(a.root / "checkpoints/gr2")
     model, _ = load_hf_checkpoint(a.root / a.checkpoint)
     if a.bf16_linears:

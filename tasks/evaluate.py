@@ -50,7 +50,7 @@ from gr2model.rerank_eval import (
     speculative_kwargs,
 )  # fmt: skip
 from gr2model.metrics import bootstrap_ci, per_example_gain
-from gr2model.rerank_format import RERANK_METRIC_NAMES, ItemText, ParsedResponse, rerank_metrics, target_ranks
+from gr2model.rerank_format import RERANK_METRIC_NAMES, FormatConfig, ItemText, ParsedResponse, rerank_metrics, target_ranks
 from gr2model.ltr_teacher import LTRConfig, LTRTeacher
 from gr2model.teacher import ExpertTeacher
 from tasks.traces import load_format, load_lists
@@ -381,6 +381,13 @@ def mark_every_example(rows: list[dict[str, Any]], results: dict[str, dict[str, 
             r["every_example_valid_format_rate"] = min(m["valid_format_rate"] for m in by_split)
 
 
+def bench_inputs(root: Path, examples: int) -> tuple[FormatConfig, ItemText, pl.DataFrame]:
+    """What the decode benchmark races on in a workspace: the traces' prompt format, the item texts and
+    the first `examples` test re-ranking examples (also the decode experiments' inputs)."""
+    ds, _ = load_prepared(root / PREPARED)
+    return load_format(root), ItemText(ds.items), rerank_examples(load_lists(root, "test")).head(examples)
+
+
 def run_bench(
     cfg: EvaluateConfig, root: Path, log: logging.Logger, models: dict[str, Any] | None = None,
     results: dict[str, dict[str, dict[str, Any]]] | None = None,
@@ -391,10 +398,7 @@ def run_bench(
         models: the diffusion models to race (`diffusion_models`); loaded when None.
         results: the accuracy table (with its paired intervals), for `mark_every_example`.
     """
-    ds, _ = load_prepared(root / PREPARED)
-    items = ItemText(ds.items)
-    fmt = load_format(root)
-    lists = rerank_examples(load_lists(root, "test")).head(cfg.bench.examples)
+    fmt, items, lists = bench_inputs(root, cfg.bench.examples)
     gr2, tok = load_hf_checkpoint(root / GR2)
     models = models if models is not None else diffusion_models(root, cfg.naive_block_size)
     # Every racer on the same device (the GPU when there is one), as the accuracy rows decode.
