@@ -4,12 +4,14 @@ Decodes the first N test re-ranking examples one at a time, speculatively
 (GR2 verifying the diffusion model's window drafts, greedy: the output is
 GR2's own), and keeps every round's draft. For a round whose draft GR2
 rejected at position n (the first n drafts accepted, GR2's own token at n),
-the next round starts right after that token. The draft's tokens past n
-could be offered to GR2 again there without a drafter forward, if they still
-follow GR2's output: this counts, for each such round, the longest run of
-draft tokens d[n + 1 + s:] equal to GR2's next tokens, over the alignments
-s in -2..+2 that stay past n, the best one chosen knowing GR2's output (an
-oracle, hence an upper bound on what reusing the tail could yield).
+the next round starts right after that token. The draft's rejected tail
+d[n:] could be offered to GR2 again there without a drafter forward, if it
+still follows GR2's output: this counts, for each such round, the longest run
+of draft tokens d[n + 1 + s:] equal to GR2's next tokens, over the alignments
+s in -1..+2 (-1: the rejected token itself comes next, as when the draft
+skipped GR2's token; +1, +2: the draft had extra tokens), the best one chosen
+knowing GR2's output (an oracle, hence an upper bound on what reusing the
+tail could yield).
 
     python experiments/draft_reuse.py --root WORKSPACE --examples 32
 
@@ -41,7 +43,8 @@ class RecordingDrafter(WindowDrafter):
 
 
 def reusable(draft: list[int], start: int, output: list[int]) -> int | None:
-    """The longest oracle-aligned run of `draft`'s rejected tail equal to `output` after the round; None if fully accepted.
+    """The longest oracle-aligned run of `draft`'s rejected tail equal to `output` after the round; None if fully accepted
+    (the module docstring).
 
     draft: the round's drafted tokens; start: the response length when it was drafted; output: GR2's whole response.
     """
@@ -52,9 +55,9 @@ def reusable(draft: list[int], start: int, output: list[int]) -> int | None:
         return None
     nxt = start + n + 1  # after GR2's own token at the rejected position
     best = 0
-    for s in range(-2, 3):
+    for s in range(-1, 3):
         i = n + 1 + s
-        if i <= n or i >= len(draft):
+        if i >= len(draft):
             continue
         t = 0
         while i + t < len(draft) and nxt + t < len(output) and draft[i + t] == output[nxt + t]:
