@@ -608,7 +608,7 @@ def accept_sampling(
     return accepted, torch.multinomial(dist, 1, generator=generator).squeeze(-1)
 
 
-# ---------------------------------------------------------------- the AR verifier's cache
+# ---------------------------------------------------------------- the cache of accepted tokens (verifier and window drafter)
 
 
 class _AcceptedKVCache:
