@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from collections import defaultdict
 from pathlib import Path
 
 import torch
@@ -115,7 +114,7 @@ def main() -> None:
                 t.reset()
             out = lm_rerank(m, tok, lists, items, fmt, desc=name, batch_size=1, max_new_tokens=320, **kwargs)
             model_s = sum(t.seconds for t in timers.values())
-            calls = defaultdict(int, {k: t.calls for k, t in timers.items()})
+            calls = {k: t.calls for k, t in timers.items()}
             steps = sum(o.verifications for o in out.outputs) if name == "spec" else sum(t.calls for t in timers.values())
             n_tok = out.generated_tokens
             per_token[name] = out.seconds / n_tok
