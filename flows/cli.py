@@ -14,6 +14,7 @@
     gr2 data snapshot                 version a new snapshot of schedule.source as prepare.data_dir (DVC)
     gr2 reproduce MODEL@ALIAS         rebuild a registered version from its commit and data hash, compare
     gr2 serve MODEL@ALIAS             MLflow's scoring server for a version, with its request-body cap (413)
+    gr2 results [--out docs/results.md] docs/results.md and the README's results table, from a workspace's metrics
 """
 
 from __future__ import annotations
@@ -134,6 +135,20 @@ def cmd_report(args: argparse.Namespace) -> int:
         configure(root)
     path = write_report(load_inputs(root, with_mlflow=not args.no_mlflow, with_registry=not args.no_mlflow))
     print(f"written: {path}\n  open file://{path}")
+    return 0
+
+
+def cmd_results(args: argparse.Namespace) -> int:
+    """Write docs/results.md from the workspace's metrics and rewrite the README's results block. Exit 2: bad input."""
+    from tasks.results import ResultsError, write_results
+
+    try:
+        written = write_results(Path(args.root), Path(args.out), None if args.no_readme else Path(args.readme))
+    except ResultsError as exc:
+        print(f"results: {exc}", file=sys.stderr)
+        return 2
+    for path in written:
+        print(f"written: {path}")
     return 0
 
 
@@ -389,6 +404,13 @@ def build_parser() -> argparse.ArgumentParser:
     _root_after(report)
     report.add_argument("--no-mlflow", action="store_true", help="skip the training curves and the registry (MLflow not read)")
     report.set_defaults(fn=cmd_report)
+
+    res = sub.add_parser("results", help="write docs/results.md from a workspace's metrics (ablation, ladder, speed, stage times, stamp) and the README's results table")
+    _root_after(res)
+    res.add_argument("--out", default="docs/results.md", help="the results page to write (default: docs/results.md)")
+    res.add_argument("--readme", default="README.md", help="README whose results block (between its results markers) is rewritten (default: README.md)")
+    res.add_argument("--no-readme", action="store_true", help="write the page only")
+    res.set_defaults(fn=cmd_results)
 
     ws = sub.add_parser("workspace", help="copy the project into a new folder with a params profile (e.g. smoke)")
     ws.add_argument("dest")
