@@ -562,10 +562,12 @@ class LTRTeacher:
         cand_scores: Sequence[float] | None = None,
         fold: int | None = None,
         target_tokens: int | None = None,
+        cite_positions: bool = False,
     ) -> list[str]:
-        """The expert's three-step explanation of `ranking` (its evidence, its words)."""
+        """The expert's three-step explanation of `ranking` (its evidence, its words; `ExpertTeacher.explain`)."""
         return self.expert.explain(
-            history, candidates, ranking, rng, cand_scores=cand_scores, fold=fold, target_tokens=target_tokens
+            history, candidates, ranking, rng, cand_scores=cand_scores, fold=fold, target_tokens=target_tokens,
+            cite_positions=cite_positions,
         )
 
 

@@ -63,7 +63,7 @@ from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 from gr2model.ar_decode import left_pad
 from gr2model.bounds import check
 from gr2model.metrics import rank_in_lists, ranking_metrics
-from gr2model.rerank_format import ASSISTANT, USER, ItemText
+from gr2model.rerank_format import ASSISTANT, POSITION_RE, USER, ItemText
 from gr2model.sft import IGNORE_INDEX, SFTConfig, _explanation_span, encode_example
 
 __all__ = [
@@ -262,7 +262,9 @@ def build_examples(
     if cfg.trace:
         traces, dropped = [], 0
         for text in explanations:
-            words = text.split()
+            # A cited position (<pos_k>) means nothing without the candidate list this task
+            # has no prompt for: the language of the reasoning is learned without it.
+            words = [w for w in text.split() if not POSITION_RE.fullmatch(w)]
             cited = [items.item_of_sid(m.group(0)) for m in _SID_TEXT_RE.finditer(" ".join(words))]
             if not words or any(c is None or c not in seen for c in cited):
                 dropped += 1

@@ -149,6 +149,7 @@ def lm_rerank(
     desc: str = "re-rank",
     state: PartialState | None = None,
     constrained: bool = False,
+    response_prefix: str = "",
     **decode_kwargs,
 ) -> LMRerankResult:
     """Decode a response for every row (greedy unless decode_kwargs say otherwise) and parse it.
@@ -169,12 +170,17 @@ def lm_rerank(
         every answer is a valid permutation; each output's `constrained` says
         which answers the grammar changed. ValueError for a format the grammar
         does not cover (it needs answer "index" written first).
+    response_prefix: text forced at the start of every response (e.g.
+        `rerank_format.no_reasoning_prefix`): appended to each prompt, and put
+        before each decoded text for the parser; `sequences` hold the decoded
+        tokens after it.
     """
     ids = special_ids(tok)
     if constrained:
         check_covered(fmt, "constrained decoding")
         ks = [len(c) for c in lists["candidates"].to_list()]  # each row's grammar has its K slots
-    prompts = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts_of(lists, items, fmt)]
+    forced = f" {response_prefix}" if response_prefix else ""
+    prompts = [tok(p + forced, add_special_tokens=False)["input_ids"] for p in prompts_of(lists, items, fmt)]
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     batches = [order[start : start + batch_size] for start in range(0, len(order), batch_size)]
     world, rank = (state.num_processes, state.process_index) if state is not None else (1, 0)
@@ -197,7 +203,7 @@ def lm_rerank(
     for b, out in decoded:
         idx = batches[b]
         for i, seq in zip(idx, out.sequences, strict=True):
-            texts[i] = tok.decode(seq, skip_special_tokens=False)
+            texts[i] = f"{response_prefix} {tok.decode(seq, skip_special_tokens=False)}" if response_prefix else tok.decode(seq, skip_special_tokens=False)
             sequences[i] = list(seq)
         outputs.append(out)
         gen += out.generated_tokens

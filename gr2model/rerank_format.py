@@ -37,12 +37,17 @@ Two answer formats (`FormatConfig.answer`):
   `candidates : <pos_1> ITEM <pos_2> ITEM ...`, and each recommendation is one
   position token, `[ " <pos_3> " , " <pos_1> " , ... ]`. A small model trained
   from scratch copies one token per item far more reliably than four (measured:
-  README "The answer format"); the explanation still cites items by semantic id.
+  README "The answer format"); the explanation cites candidates as `<pos_k>`
+  followed by their semantic id (history items by semantic id alone).
 
-`FormatConfig.answer_first` writes `"recommendations"` before `"explanation"`:
-the ranking is decided right after the prompt, where its first token is trained
-as a direct choice among the candidates, and the explanation justifies it. The
-parser judges both orders alike.
+The project's re-ranker reasons first (`answer_first=False`): the explanation
+comes before the recommendations and, in the index format, cites each
+candidate it weighs as its position token followed by its semantic id, in the
+order it ranks them, so the ranking the answer copies was decided inside the
+reasoning. `FormatConfig.answer_first` is the rank-first fast mode: it writes
+`"recommendations"` before `"explanation"`, so the ranking is decided right
+after the prompt and cannot depend on the reasoning (a decoder may stop after
+it). The parser judges both orders alike.
 """
 
 from __future__ import annotations
@@ -78,6 +83,7 @@ __all__ = [
     "sid_token",
     "attr_token",
     "pos_token",
+    "POSITION_RE",
     "evidence_token",
     "MAX_POSITIONS",
     "MAX_EVIDENCE",
@@ -89,6 +95,7 @@ __all__ = [
     "fit_evidence_bins",
     "build_response",
     "build_full_text",
+    "no_reasoning_prefix",
     "parse_response",
     "rerank_metrics",
     "target_ranks",
@@ -138,7 +145,7 @@ EVIDENCE_LEVELS = 8
 _CODE = r"(0|[1-9][0-9]*)"
 _SID_RE = re.compile(r"\s*".join(rf"<{lvl}_{_CODE}>" for lvl in SID_LEVELS))
 _SPECIAL_RE = re.compile(r"<\|[^|\s]*\|>")
-_POS_RE = re.compile(r"<pos_([1-9][0-9]*)>")
+POSITION_RE = re.compile(r"<pos_([1-9][0-9]*)>")  # a candidate's position token, `<pos_k>` (group 1: k)
 _ID_TOKEN_RE = re.compile(r"<(?:[abcd]|attr|pos|ev[0-9]+)_[0-9]+>")
 
 
@@ -467,6 +474,20 @@ def build_response(
     return " ".join(["{", *first, ",", *second, "}"])
 
 
+def no_reasoning_prefix(fmt: FormatConfig) -> str:
+    """The opening of a reasoning-first response whose explanation is empty:
+    `{ "explanation" : " " ,`. A decoder forced to start with it writes the
+    ranking with no reasoning before it (what the reasoning is worth).
+
+    Raises:
+        ValueError: fmt.answer_first (the ranking comes before the explanation, so
+            blanking the explanation cannot change it).
+    """
+    if fmt.answer_first:
+        raise ValueError("an answer-first response writes its ranking before the explanation: blanking the explanation changes no ranking")
+    return " ".join(["{", EXPLANATION_KEY, ":", '"', '"', ","])
+
+
 def build_full_text(prompt: str, response: str) -> str:
     """prompt + response + end token, joined by single spaces: the training text."""
     return f"{prompt} {response} {EOS}"
@@ -566,7 +587,7 @@ def parse_response(
     if not all(isinstance(r, str) for r in recs):
         return fail("not a string", explanation=explanation)
     index = fmt is not None and fmt.answer == "index"
-    id_re = _POS_RE if index else _SID_RE
+    id_re = POSITION_RE if index else _SID_RE
     matches = [id_re.fullmatch(r.strip()) for r in recs]
     if not all(matches):
         return fail("bad id", explanation=explanation)

@@ -5,7 +5,11 @@ Each example is a (prompt, response) pair of the re-ranking format
 trained with next-token cross-entropy on the response only, each token weighted
 by what it is:
 
-- reasoning tokens (inside the explanation string) weigh `reasoning_weight`;
+- reasoning tokens (inside the explanation string) weigh `reasoning_weight`,
+  except the candidate citations there (`<pos_k>` tokens), which weigh
+  `citation_weight` when it is set: in the reasoning-first format the order in
+  which the reasoning cites candidates is the ranking's decision, and one
+  token in a hundred would otherwise carry it at the weight of a word;
 - everything else in the response weighs `answer_weight`: the JSON scaffolding
   before the explanation, the quotes around it, and the ranking part from the
   `"recommendations"` key to `<|eos|>` inclusive. The ranking is short but is
@@ -37,7 +41,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from gr2model.bounds import FieldRangeError, check
-from gr2model.rerank_format import EXPLANATION_KEY
+from gr2model.rerank_format import EXPLANATION_KEY, POSITION_RE
 from gr2model.resume import Checkpointer, generator_state, set_generator_state, skip_batches
 
 __all__ = [
@@ -71,6 +75,8 @@ class SFTConfig:
     reasoning_weight: loss weight of the explanation tokens.
     answer_weight: loss weight of the rest of the response (ranking part from
         the "recommendations" key to <|eos|> inclusive, and the JSON scaffolding).
+    citation_weight: loss weight of the position tokens (`<pos_k>`) inside the
+        explanation, the candidates the reasoning cites; None: reasoning_weight.
     max_length: examples longer than this are cut at the end (a warning counts them).
     seed: shuffling order; training is deterministic given it on a CPU.
     grad_clip: max global gradient norm (<= 0 disables clipping).
@@ -83,6 +89,7 @@ class SFTConfig:
     warmup_steps: int = 20
     reasoning_weight: float = 1.0
     answer_weight: float = 2.0
+    citation_weight: float | None = None
     max_length: int = 1024
     seed: int = 0
     grad_clip: float = 1.0
@@ -93,6 +100,7 @@ class SFTConfig:
         check(self, "lr", gt=0)
         for name in ("weight_decay", "warmup_steps", "reasoning_weight", "answer_weight", "seed"):
             check(self, name, ge=0)
+        check(self, "citation_weight", ge=0, optional=True)
         check(self, "max_length", ge=2)
         check(self, "grad_clip")  # any finite value: <= 0 disables clipping
         if self.reasoning_weight + self.answer_weight <= 0:
@@ -155,7 +163,8 @@ def encode_example(
         input_ids: L ints, prompt + response + eos, cut to cfg.max_length.
         labels: L ints, IGNORE_INDEX on prompt tokens, the token id elsewhere.
         weights: L floats, 0 on the prompt, cfg.reasoning_weight on tokens inside
-            the explanation string, cfg.answer_weight on the rest of the response.
+            the explanation string (cfg.citation_weight, when set, on its `<pos_k>`
+            tokens), cfg.answer_weight on the rest of the response.
         reasoning: L ints, 1 on the explanation tokens (the loss split reported
             by `train_sft`), 0 elsewhere.
     Raises:
@@ -177,11 +186,18 @@ def encode_example(
         # word does not, so the closing quote stays scaffolding.
         in_expl.append(span is not None and start < span[1] and end > span[0])
     in_expl.append(False)  # eos
+    cited = [False] * len(in_expl)
+    if cfg.citation_weight is not None:
+        cited = [r and POSITION_RE.fullmatch(response[a:b].strip()) is not None for r, (a, b) in zip(in_expl, enc["offset_mapping"])]
+        cited.append(False)  # eos
 
     n_prompt = len(prompt_ids)
     input_ids = prompt_ids + response_ids
     labels = [IGNORE_INDEX] * n_prompt + response_ids
-    weights = [0.0] * n_prompt + [cfg.reasoning_weight if r else cfg.answer_weight for r in in_expl]
+    weights = [0.0] * n_prompt + [
+        cfg.citation_weight if c else cfg.reasoning_weight if r else cfg.answer_weight  # type: ignore[misc]
+        for r, c in zip(in_expl, cited)
+    ]
     reasoning = [0] * n_prompt + [int(r) for r in in_expl]
     full = {"input_ids": input_ids, "labels": labels, "weights": weights, "reasoning": reasoning}
     return {key: values[: cfg.max_length] for key, values in full.items()}

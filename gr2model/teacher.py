@@ -67,6 +67,7 @@ from gr2model.rerank_format import (
     build_prompt,
     evidence_of,
     build_response,
+    pos_token,
     sid_token,
 )
 
@@ -84,6 +85,7 @@ __all__ = [
     "TraceRecord",
     "teacher_features",
     "plackett_luce_sample",
+    "answer_order",
     "generate_traces",
     "teacher_accuracy",
 ]
@@ -492,9 +494,11 @@ class Teacher(Protocol):
         cand_scores: Sequence[float] | None = None,
         fold: int | None = None,
         target_tokens: int | None = None,
+        cite_positions: bool = False,
     ) -> list[str]:
-        """Explanation tokens (words of TRACE_WORDS, sid and attribute tokens) for
-        `ranking` (a permutation of candidates), about target_tokens long."""
+        """Explanation tokens (words of TRACE_WORDS, sid, attribute and, with
+        cite_positions, position tokens) for `ranking` (a permutation of
+        candidates), about target_tokens long."""
         ...
 
 
@@ -520,13 +524,13 @@ class TeacherConfig:
     target_tokens: explanation length to aim for (whitespace tokens).
     seed: base seed; each example draws from its own (seed, user_id, position)
         stream, so a trace does not depend on which other examples are generated.
-    rest_order: what follows the first item of a kept ranking: "sampled" (the
-        rest of the sampled or teacher ranking) or "incoming" (the other
-        candidates in the incoming order). Rejection sampling at temperature 1
-        leaves positions 2..K close to random, which a small student learns as
-        "any order", repeats included; "incoming" makes the answer one decision
-        (which item to promote) plus a copy, and keeps the pre-ranker's order
-        where the teacher has nothing better to say.
+    ranked_positions: how many leading positions of the answer follow the kept
+        ranking (the teacher's order in distill, the sample in rejection); the
+        other candidates follow in the incoming order. 0: the whole ranking.
+        1 makes the answer one decision (which item to promote) plus a copy;
+        3 lets NDCG@3 move while the tail, where the teacher has little to say
+        and a rejection sample at temperature 1 is close to random, stays the
+        pre-ranker's.
     """
 
     mode: TraceMode = "rejection"
@@ -534,7 +538,7 @@ class TeacherConfig:
     temperature: float = 1.0
     target_tokens: int = 130
     seed: int = 0
-    rest_order: Literal["sampled", "incoming"] = "sampled"
+    ranked_positions: int = 0
 
     def __post_init__(self) -> None:
         if self.mode not in TRACE_MODES:
@@ -543,8 +547,7 @@ class TeacherConfig:
         check(self, "temperature", gt=0)
         check(self, "target_tokens", ge=1)
         check(self, "seed", ge=0)
-        if self.rest_order not in ("sampled", "incoming"):
-            raise ValueError(f"rest_order must be 'sampled' or 'incoming', got {self.rest_order!r}")
+        check(self, "ranked_positions", ge=0)
 
 
 def _fit_conditional_logit(z: np.ndarray, y: np.ndarray, l2: float, mask: np.ndarray) -> tuple[np.ndarray, float]:
@@ -794,8 +797,15 @@ class ExpertTeacher:
         cand_scores: Sequence[float] | None = None,
         fold: int | None = None,
         target_tokens: int | None = None,
+        cite_positions: bool = False,
     ) -> list[str]:
         """Three-step explanation of `ranking` (see the module docstring).
+
+        cite_positions: every candidate is cited as its incoming position token
+        followed by its semantic id (`<pos_3> <a_1> <b_2> <c_3> <d_4>`), the form
+        the index answer writes: the reasoning then names, in one copyable token,
+        the candidates it weighs in the order it ranks them, so the ranking
+        follows from it. History items keep their semantic id alone.
 
         Step 2 states only real evidence (co-purchase counts, shared prefixes,
         shared attributes, incoming position, popularity, or the lack of any link)
@@ -814,6 +824,9 @@ class ExpertTeacher:
         an = self._analyse(history, cands, cand_scores, fold)
         idx_of = {c: i for i, c in enumerate(cands)}
         sid = self.text.sid_tokens
+
+        def cite(c: int) -> list[str]:
+            return [pos_token(idx_of[c] + 1), *sid(c)] if cite_positions else sid(c)
         x = an.features
         centred = x - x.mean(axis=0, keepdims=True) if len(cands) else x
         # (K, F): how much each feature lifts each candidate above the list's average,
@@ -828,16 +841,16 @@ class ExpertTeacher:
         def slots(i: int, kind: str) -> dict[str, list[str]]:
             c = cands[i]
             if kind == "co_after":
-                return {"c": sid(c), "h": sid(int(an.after_src[i])), "count": _count(an.after_cnt[i])}
+                return {"c": cite(c), "h": sid(int(an.after_src[i])), "count": _count(an.after_cnt[i])}
             if kind == "co_before":
-                return {"c": sid(c), "h": sid(int(an.before_src[i])), "count": _count(an.before_cnt[i])}
+                return {"c": cite(c), "h": sid(int(an.before_src[i])), "count": _count(an.before_cnt[i])}
             if kind == "sid":
-                return {"c": sid(c), "h": sid(int(an.prefix_src[i])), "p": sid(c)[: int(an.prefix_len[i])]}
+                return {"c": cite(c), "h": sid(int(an.prefix_src[i])), "p": sid(c)[: int(an.prefix_len[i])]}
             if kind == "attr":
-                return {"c": sid(c), "a": [attr_token(a) for a in an.shared_attrs[i][:2]]}
+                return {"c": cite(c), "a": [attr_token(a) for a in an.shared_attrs[i][:2]]}
             if kind == "prerank":
-                return {"c": sid(c), "n": _number(i + 1)}
-            return {"c": sid(c)}
+                return {"c": cite(c), "n": _number(i + 1)}
+            return {"c": cite(c)}
 
         def kinds(i: int) -> list[str]:
             """Evidence present for candidate i: what lifts it (strongest first), then
@@ -880,12 +893,12 @@ class ExpertTeacher:
             best = next(k for k in kinds(first) if k != "none")  # lifting evidence, else "prerank"
             if lift(first, best) > 0 or len(cands) == 1:
                 reason = _render(_pick(_T_REASON[best], rng), slots(first, best))
-                step3 += _render(_pick(_T_STEP3, rng), {"c": sid(order[0]), "reason": reason})
+                step3 += _render(_pick(_T_STEP3, rng), {"c": cite(order[0]), "reason": reason})
             else:
                 # Nothing lifts it above the others: say so rather than invent a reason.
-                step3 += _render(_pick(_T_STEP3_WEAK, rng), {"c": sid(order[0])})
+                step3 += _render(_pick(_T_STEP3_WEAK, rng), {"c": cite(order[0])})
             if len(order) > 1:
-                step3 += _render(_pick(_T_THEN, rng), {"c": sid(order[1])})
+                step3 += _render(_pick(_T_THEN, rng), {"c": cite(order[1])})
 
         # Step 2: evidence sentences, in priority order, while they bring the length closer.
         sentences: dict[tuple[int, int], list[str]] = {}
@@ -979,6 +992,18 @@ def plackett_luce_sample(scores: np.ndarray, temperature: float, rng: np.random.
     return np.argsort(-(s + rng.gumbel(size=s.shape)), kind="stable")
 
 
+def answer_order(ranking: Sequence[int], incoming: Sequence[int], ranked_positions: int) -> list[int]:
+    """The first `ranked_positions` items of `ranking`, then the other candidates in the incoming order.
+
+    `answer_order([3, 1, 2, 4], [1, 2, 3, 4], 1) == [3, 1, 2, 4]`; 0 keeps `ranking` whole.
+    """
+    if not ranked_positions:
+        return list(ranking)
+    head = list(ranking[:ranked_positions])
+    chosen = set(head)
+    return head + [c for c in incoming if c not in chosen]
+
+
 def _rows(lists: pl.DataFrame) -> list[tuple[list[int], list[int], list[float] | None, int | None]]:
     """(history, candidates, cand_scores or None, fold or None) of each row."""
     n = lists.height
@@ -1047,13 +1072,14 @@ def generate_traces(
                 if sample[0] == target:
                     ranking = sample
                     break
-        if ranking and cfg.rest_order == "incoming":
-            ranking = [ranking[0]] + [c for c in cands if c != ranking[0]]
+        if ranking and cfg.ranked_positions:
+            ranking = answer_order(ranking, cands, cfg.ranked_positions)
         prompt = build_prompt(history, cands, items, fmt, evidence)
         response = ""
         if ranking:
             expl = teacher.explain(
-                history, cands, ranking, rng, cand_scores=cand_scores, fold=fold, target_tokens=cfg.target_tokens
+                history, cands, ranking, rng, cand_scores=cand_scores, fold=fold, target_tokens=cfg.target_tokens,
+                cite_positions=fmt.answer == "index",
             )
             response = build_response(expl, ranking, items, fmt=fmt, candidates=cands)
             expl_lens.append(len(expl))

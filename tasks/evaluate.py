@@ -50,7 +50,9 @@ from gr2model.rerank_eval import (
     speculative_kwargs,
 )  # fmt: skip
 from gr2model.metrics import bootstrap_ci, per_example_gain
-from gr2model.rerank_format import RERANK_METRIC_NAMES, FormatConfig, ItemText, ParsedResponse, rerank_metrics, target_ranks
+from gr2model.rerank_format import (
+    RERANK_METRIC_NAMES, FormatConfig, ItemText, ParsedResponse, no_reasoning_prefix, rerank_metrics, target_ranks,
+)  # fmt: skip
 from gr2model.ltr_teacher import LTRConfig, LTRTeacher
 from gr2model.teacher import ExpertTeacher
 from tasks.traces import load_format, load_lists
@@ -68,6 +70,9 @@ SPEED_REPORT = Path("reports/speed.md")
 AR_MODELS: dict[str, Path] = {"gr2-sft": Path("checkpoints/gr2-sft"), "gr2": Path("checkpoints/gr2")}
 GR2 = AR_MODELS["gr2"]
 NAIVE = "dgr2-naive"  # GR2 converted without training: the structural gap that CFT closes
+# GR2 with its explanation forced empty (`no_reasoning_prefix`), then its own answer: what the reasoning is worth.
+NO_REASONING = "gr2-no-reasoning"
+GRAMMAR_SUFFIX = "+grammar"  # `<model>+grammar`: the same model decoded under the answer grammar (a labelled extra)
 DIFFUSION_MODELS: dict[str, Path] = {
     "dgr2-cft": Path("checkpoints/dgr2-cft"),
     "dgr2-opd": Path("checkpoints/dgr2-opd"),
@@ -75,11 +80,12 @@ DIFFUSION_MODELS: dict[str, Path] = {
 }
 SPEC_PREFIX = "spec-"  # `spec-<drafter>`: GR2 verifying that diffusion model's drafts (ARCHITECTURE.md)
 # The paper's ablation: each row adds one stage to the one before it.
-ABLATION = ("prerank", "gr2", NAIVE, *DIFFUSION_MODELS)
+ABLATION = ("prerank", "gr2", NO_REASONING, NAIVE, *DIFFUSION_MODELS)
 ABLATION_METRICS = (
-    "recall@1", "recall@3", "ndcg@3", "valid_format_rate", "valid_permutation_rate", "copy_incoming_rate", "grammar_changed_rate",
-    "explanation_nll_gr2",
+    "recall@1", "recall@3", "ndcg@3", "valid_format_rate", "valid_permutation_rate", "copy_incoming_rate", "top1_agreement_vs_gr2",
+    "grammar_changed_rate", "explanation_nll_gr2",
 )  # fmt: skip
+BASELINES = ("prerank", "teacher", "random")  # fixed rankings, no language model
 # Metrics that get a bootstrap interval and paired differences (the contract in ARCHITECTURE.md).
 CI_METRICS = ("recall@1", "ndcg@3")
 
@@ -94,7 +100,7 @@ class BenchParams(StageConfig):
     # approximate sub-block cache (gr2model.diffusion_decode's sub_block_cache).
     sub_block_cache_sizes: list[Count] = []
     # Extra diffusion rows decoding the explanation at each of these thresholds (those below the
-    # row's tau; the diffusion rows decode under the answer grammar when evaluate.constrained).
+    # row's tau; decoded under the answer grammar when evaluate.grammar_rows).
     explanation_taus: list[Unit] = []
     explanation_sub_block_size: Count | None = None  # those rows' sub-block size past the answer (null: the row's)
     # Speculative rows: GR2 verifies what each of these diffusion models drafts (those that exist).
@@ -118,12 +124,13 @@ class EvaluateConfig(StageConfig):
     seed: Seed = 0
     bootstrap: Count = 2000  # resamples of the examples for every interval (paired for differences)
     tau: Unit = 0.9  # commit threshold of the diffusion decoder in the accuracy table
-    # Decode every LM row under the answer grammar (gr2model.constrained): every answer valid, and
-    # `grammar_changed_rate` the share it changed (the model's own command of the format).
-    constrained: bool = True
-    # The diffusion rows' threshold after the answer (the explanation; needs constrained); null: tau.
+    # Every row decodes as the model is served, without a grammar: its validity is what it wrote.
+    # grammar_rows adds, for each LM row, a labelled `<model>+grammar` row decoded under the answer
+    # grammar (gr2model.constrained; the rank-first index format only), with `grammar_changed_rate`.
+    grammar_rows: bool = False
+    # The +grammar diffusion rows' threshold after the answer (the explanation); null: tau.
     explanation_tau: Unit | None = None
-    # Their sub-block size in the blocks past the answer (needs constrained); null: sub_block_size.
+    # Their sub-block size in the blocks past the answer; null: sub_block_size.
     explanation_sub_block_size: Count | None = None
     # The accuracy table's diffusion decoder commits within sub-blocks of this size; that it divides
     # the block size is checked at decode time (the block size is the checkpoint's, not a param here).
@@ -220,10 +227,9 @@ def add_intervals(
 ) -> None:
     """Add `<metric>_ci95` ([lo, hi], bootstrap over examples) for every model and
     split, paired `<metric>_vs_prerank` for every model but prerank, and
-    `<metric>_vs_gr2` for the diffusion and speculative models ({"diff": d, "ci95": [lo, hi]}),
+    `<metric>_vs_gr2` for every LM row but gr2's own ({"diff": d, "ci95": [lo, hi]}),
     for each metric of CI_METRICS. Every model of a split was scored on the same
     examples in the same order, which is what pairing needs."""
-    diffusion = {NAIVE, *DIFFUSION_MODELS, *(m for m in ranks if m.startswith(SPEC_PREFIX))}
     for model, by_split in ranks.items():
         for split, r in by_split.items():
             m = results[model][split]
@@ -231,11 +237,35 @@ def add_intervals(
                 gain = per_example_gain(r, metric)
                 m[f"{metric}_ci95"] = list(bootstrap_ci(gain, n_boot=n_boot, seed=seed))
                 refs = ["prerank"] if model != "prerank" else []
-                if model in diffusion and "gr2" in ranks:
+                if model not in (*BASELINES, "gr2") and "gr2" in ranks:
                     refs.append("gr2")
                 for ref in refs:
                     # A model scored on fewer examples (diffusion_max_examples) saw the first len(r).
                     m[f"{metric}_vs_{ref}"] = paired_difference(r, ranks[ref][split][: len(r)], metric, n_boot=n_boot, seed=seed)
+
+
+def top1_agreement(firsts: Sequence[int], reference: Sequence[int]) -> float:
+    """The share of examples whose first item equals the reference's on the same example
+    (`firsts` may cover only the first len(firsts) of `reference`'s examples)."""
+    if not firsts:
+        return float("nan")
+    if len(firsts) > len(reference):
+        raise ValueError(f"{len(firsts)} first items against {len(reference)} reference ones")
+    return float(np.mean([a == b for a, b in zip(firsts, reference)]))
+
+
+def add_agreement(results: dict[str, dict[str, dict[str, Any]]], firsts: dict[str, dict[str, list[int]]]) -> None:
+    """Add `top1_agreement_vs_gr2` to every LM row but gr2's own, per split: the share of
+    examples whose first item (as parsed: an invalid answer's is the incoming first) is GR2's."""
+    ref = firsts.get("gr2")
+    if not ref:
+        return
+    for model, by_split in firsts.items():
+        if model == "gr2":
+            continue
+        for split, f in by_split.items():
+            if split in ref:
+                results[model][split]["top1_agreement_vs_gr2"] = top1_agreement(f, ref[split])
 
 
 def ablation_table(results: dict[str, dict[str, dict[str, Any]]], split: str) -> str:
@@ -248,7 +278,7 @@ def ablation_table(results: dict[str, dict[str, dict[str, Any]]], split: str) ->
         d = m.get(key)
         return f"{d['diff']:+.4f} [{d['ci95'][0]:+.4f}, {d['ci95'][1]:+.4f}]" if d else "-"
 
-    for model in ABLATION:
+    for model in (*ABLATION, *(a + GRAMMAR_SUFFIX for a in ABLATION)):
         m = results.get(model, {}).get(split)
         if m is None:
             continue
@@ -261,13 +291,16 @@ def ablation_table(results: dict[str, dict[str, dict[str, Any]]], split: str) ->
 
 def _decode_eval(
     name: str, model: Any, tok: Any, df: pl.DataFrame, items: ItemText, fmt: Any, cfg: EvaluateConfig,
-    kwargs: dict[str, Any] | None = None, state: PartialState | None = None,
+    kwargs: dict[str, Any] | None = None, state: PartialState | None = None, *, constrained: bool = False,
+    response_prefix: str = "",
 ) -> tuple[dict[str, float], np.ndarray, LMRerankResult]:
     """Decode one split with the model's decoder (AR or threshold diffusion; `kwargs` for another,
     e.g. `speculative_kwargs`); its metrics, per-example ranks and the decode itself.
-    With `state` of several processes, they share the batches (`lm_rerank`): the same answers."""
-    # Speculative decoding has no grammar, and the grammar covers the answer-first index format only.
-    constrained = cfg.constrained and kwargs is None and covers(fmt)
+    With `state` of several processes, they share the batches (`lm_rerank`): the same answers.
+
+    constrained: under the answer grammar (a `+grammar` row; its explanation settings apply).
+    response_prefix: forced at the start of every response (`lm_rerank`).
+    """
     if kwargs is None:
         # The explanation's own threshold and sub-blocks need the grammar (it knows where the answer ends).
         kwargs = decoder_kwargs(
@@ -278,7 +311,7 @@ def _decode_eval(
         )  # fmt: skip
     out = lm_rerank(
         model, tok, df, items, fmt, batch_size=cfg.batch_size, max_new_tokens=cfg.max_new_tokens, desc=name, state=state,
-        constrained=constrained, **kwargs,
+        constrained=constrained, response_prefix=response_prefix, **kwargs,
     )  # fmt: skip
     m, ranks = scored(out.parsed, df["target"].to_list())
     m["tokens_per_s"] = out.generated_tokens / max(out.seconds, 1e-9)
@@ -291,16 +324,17 @@ def _decode_eval(
 def decoding_note(cfg: EvaluateConfig) -> str:
     """How the LM rows were decoded, for the report's headings."""
     note = f"diffusion at tau {cfg.tau}"
-    if cfg.explanation_tau is not None:
-        note += f" (explanation {cfg.explanation_tau})"
-    if cfg.explanation_sub_block_size is not None:
-        note += f", explanation sub-blocks of {cfg.explanation_sub_block_size}"
+    if cfg.grammar_rows and cfg.explanation_tau is not None:
+        note += f" (+grammar rows: explanation {cfg.explanation_tau})"
+    if cfg.grammar_rows and cfg.explanation_sub_block_size is not None:
+        note += f", +grammar rows: explanation sub-blocks of {cfg.explanation_sub_block_size}"
     if cfg.sub_block_size is not None:
         note += f", sub-blocks of {cfg.sub_block_size}"
     if cfg.sub_block_cache:
         note += " with the approximate sub-block cache"
-    if cfg.constrained:
-        note += "; every LM row under the answer grammar (grammar_changed_rate: the answers it changed)"
+    note += "; every row without a grammar (its validity is what it wrote)"
+    if cfg.grammar_rows:
+        note += f"; `<model>{GRAMMAR_SUFFIX}` rows under the answer grammar (grammar_changed_rate: the answers it changed)"
     note += "; explanation_nll_gr2: GR2's mean NLL per explanation token"
     return note
 
@@ -372,8 +406,9 @@ def mark_every_example(rows: list[dict[str, Any]], results: dict[str, dict[str, 
     for r in rows:
         if r["decoder"] != "diffusion" or r["model"] not in results:
             continue
+        # The accuracy table's headline rows decode without a grammar, so without its explanation settings.
         setting = (r["tau"], r.get("sub_block_size"), r.get("explanation_tau"), r.get("explanation_sub_block_size"), bool(r.get("sub_block_cache")))
-        if setting != (cfg.tau, cfg.sub_block_size, cfg.explanation_tau, cfg.explanation_sub_block_size, cfg.sub_block_cache):
+        if r.get("grammar_changed_rate") is not None or setting != (cfg.tau, cfg.sub_block_size, None, None, cfg.sub_block_cache):
             continue
         by_split = [m for m in results[r["model"]].values() if "recall@1_vs_gr2" in m]
         if by_split:
@@ -421,7 +456,7 @@ def run_bench(
         max_new_tokens=cfg.max_new_tokens, on_row=on_row, sub_block_sizes=tuple(cfg.bench.sub_block_sizes),
         sub_block_cache_sizes=tuple(cfg.bench.sub_block_cache_sizes),
         drafters=drafters, draft_len=cfg.bench.spec_draft_len, draft_steps=cfg.bench.spec_steps,
-        draft_mode=cfg.bench.spec_draft_mode, constrained=cfg.constrained and covers(fmt), explanation_taus=tuple(cfg.bench.explanation_taus),
+        draft_mode=cfg.bench.spec_draft_mode, constrained=cfg.grammar_rows and covers(fmt), explanation_taus=tuple(cfg.bench.explanation_taus),
         explanation_sub_block_size=cfg.bench.explanation_sub_block_size, scorer=gr2 if covers(fmt) else None,
     )  # fmt: skip
     if results:
@@ -447,15 +482,13 @@ def run(cfg: EvaluateConfig, root: Path, log: logging.Logger, tracker: StageTrac
     items = ItemText(ds.items)
     fmt = load_format(root)
     teacher = load_teacher(root, ds.items, split["train"].to_list(), ds.num_items)
-    if cfg.constrained and not covers(fmt):
-        log.warning("evaluate.constrained: the answer grammar covers the answer-first index format only, not %s; every row decodes unconstrained", fmt)
 
     lists = {}
     for name in cfg.splits:
         df = rerank_examples(load_lists(root, name))
         lists[name] = df.head(cfg.max_examples) if cfg.max_examples else df
-    results: dict[str, dict[str, dict[str, Any]]] = {"prerank": {}, "teacher": {}, "random": {}}
-    ranks: dict[str, dict[str, np.ndarray]] = {"prerank": {}, "teacher": {}, "random": {}}
+    results: dict[str, dict[str, dict[str, Any]]] = {b: {} for b in BASELINES}
+    ranks: dict[str, dict[str, np.ndarray]] = {b: {} for b in BASELINES}
     for name, df in lists.items():
         incoming = df["candidates"].to_list()
         targets = df["target"].to_list()
@@ -468,29 +501,39 @@ def run(cfg: EvaluateConfig, root: Path, log: logging.Logger, tracker: StageTrac
             results[baseline][name], ranks[baseline][name] = scored(fixed_rankings(rankings, incoming), targets)
 
     gr2_tokens: dict[str, list[list[int]]] = {}  # split -> the gr2 row's tokens, the spec row's reference
+    firsts: dict[str, dict[str, list[int]]] = {}  # model -> split -> each example's first item (as parsed)
     # GR2 scores every LM row's explanations (`explanation_nll`): how much they read like its own.
     scorer = None
     if covers(fmt) and (root / GR2).exists() and state.is_main_process:
         scorer = load_hf_checkpoint(root / GR2)[0].eval()
+    grammar = cfg.grammar_rows and covers(fmt)
+    if cfg.grammar_rows and not grammar:
+        log.warning("evaluate.grammar_rows: the answer grammar covers the rank-first index format only, not %s; no +grammar rows", fmt)
 
-    def evaluate_model(model_name: str, model: Any, tok: Any, on: dict[str, pl.DataFrame]) -> None:
-        results[model_name], ranks[model_name] = {}, {}
+    def decode_row(row: str, model: Any, tok: Any, on: dict[str, pl.DataFrame], **how: Any) -> None:
+        """One row of the table: `model` decoded on every split of `on` as `how` says (`_decode_eval`)."""
+        results[row], ranks[row], firsts[row] = {}, {}, {}
         for name, df in on.items():
-            with timed(log, f"{model_name} on {name} ({df.height} examples)", timings, f"{model_name}_{name}_s"):
-                results[model_name][name], ranks[model_name][name], out = _decode_eval(model_name, model.to(state.device), tok, df, items, fmt, cfg, state=state)
-            if scorer is not None:
-                with timed(log, f"{model_name} on {name}: explanations scored by GR2", timings, f"{model_name}_{name}_nll_s"):
+            with timed(log, f"{row} on {name} ({df.height} examples)", timings, f"{row}_{name}_s"):
+                results[row][name], ranks[row][name], out = _decode_eval(row, model.to(state.device), tok, df, items, fmt, cfg, state=state, **how)
+            firsts[row][name] = [p.ranking[0] for p in out.parsed]
+            if scorer is not None and not how.get("response_prefix"):
+                with timed(log, f"{row} on {name}: explanations scored by GR2", timings, f"{row}_{name}_nll_s"):
                     nll = mean_explanation_nll(scorer, tok, df, items, fmt, out.sequences, batch_size=cfg.batch_size)
                 if nll is not None:
-                    results[model_name][name]["explanation_nll_gr2"] = nll
-            if model_name == "gr2":
+                    results[row][name]["explanation_nll_gr2"] = nll
+            if row == "gr2":
                 gr2_tokens[name] = out.sequences
-                if cfg.constrained and covers(fmt) and cfg.spec_row:
-                    # The spec row verifies with GR2's own (unconstrained) greedy choice: its reference.
-                    free = lm_rerank(model, tok, df, items, fmt, batch_size=cfg.batch_size, max_new_tokens=cfg.max_new_tokens, desc="gr2 free", state=state)
-                    gr2_tokens[name] = free.sequences
-            m = results[model_name][name]
-            log.info("%s %s: %s", model_name, name, {k: round(v, 4) for k, v in m.items()})
+            log.info("%s %s: %s", row, name, {k: round(v, 4) for k, v in results[row][name].items()})
+
+    def evaluate_model(model_name: str, model: Any, tok: Any, on: dict[str, pl.DataFrame]) -> None:
+        """The model's headline row (no grammar), then its labelled extras: GR2 without its
+        reasoning (reasoning-first formats), the `+grammar` row (when asked for)."""
+        decode_row(model_name, model, tok, on)
+        if model_name == "gr2" and not fmt.answer_first:
+            decode_row(NO_REASONING, model, tok, on, response_prefix=no_reasoning_prefix(fmt))
+        if grammar:
+            decode_row(model_name + GRAMMAR_SUFFIX, model, tok, on, constrained=True)
 
     for model_name, ckpt in AR_MODELS.items():
         if not (root / ckpt).exists():
@@ -526,6 +569,7 @@ def run(cfg: EvaluateConfig, root: Path, log: logging.Logger, tracker: StageTrac
 
     with timed(log, f"bootstrap intervals ({cfg.bootstrap} resamples, paired differences)", timings, "bootstrap_s"):
         add_intervals(results, ranks, n_boot=cfg.bootstrap, seed=cfg.seed)
+    add_agreement(results, firsts)
     report = "\n\n".join(f"## {s}\n\n{markdown_table(results, s)}" for s in cfg.splits)
     ablation = "\n\n".join(
         f"## Ablation ({s}, {decoding_note(cfg)}; intervals: {cfg.bootstrap} bootstrap resamples, paired)\n\n{ablation_table(results, s)}"

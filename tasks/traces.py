@@ -56,13 +56,16 @@ class TracesConfig(StageConfig):
     temperature: Positive = 1.0
     target_tokens: Count = 130
     seed: Seed = 0
-    rest_order: Literal["sampled", "incoming"] = "sampled"  # after the first item: the sample's order or the incoming one
+    # Leading answer positions that follow the kept ranking; the rest in the incoming order (0: all).
+    ranked_positions: Cap = 0
     # The prompt format of the whole re-ranker (shared by sft ... evaluate through format.json).
     history_len: Cap = 10  # 0 writes no history
     with_attributes: bool = True
     max_attributes: Cap = 3  # 0 writes none
     answer: Literal["sid", "index"] = "sid"  # recommendations as semantic ids or as incoming positions
-    answer_first: bool = False  # the response writes the recommendations before the explanation
+    # Rank-first fast mode: the recommendations before the explanation (the ranking then
+    # cannot depend on the reasoning). False: the reasoning first, citing candidates by position.
+    answer_first: bool = False
     max_examples: Cap = 0  # 0 = every training re-ranking example; >0 keeps the first N (smoke runs)
     # distill only: also trace this many training lists whose target is not among the
     # candidates (-1: all of them, 0: none), drawn with `seed`. The teacher's choice needs
@@ -182,7 +185,7 @@ def run(cfg: TracesConfig, root: Path, log: logging.Logger, tracker: StageTracke
         examples = examples.head(cfg.max_examples)
     if cfg.unlabelled_lists:
         examples = pl.concat([examples, unlabelled_sample(train, cfg.unlabelled_lists, cfg.seed)])
-    tcfg = TeacherConfig(mode=cfg.mode, samples=cfg.samples, temperature=cfg.temperature, target_tokens=cfg.target_tokens, seed=cfg.seed, rest_order=cfg.rest_order)
+    tcfg = TeacherConfig(mode=cfg.mode, samples=cfg.samples, temperature=cfg.temperature, target_tokens=cfg.target_tokens, seed=cfg.seed, ranked_positions=cfg.ranked_positions)
     with timed(log, f"{cfg.mode} traces for {examples.height} training lists", timings, "generate_s"):
         traces, stats = generate_traces(teacher, examples, items, fmt, tcfg, unlabelled=cfg.unlabelled_lists != 0)
 

@@ -64,7 +64,8 @@ POS, NONNEG, UNIT, ANY_F, ANY_I = F(gt=0), F(ge=0), F(ge=0, le=1), F(), I()
 
 SFT = {
     "epochs": COUNT, "batch_size": COUNT, "lr": POS, "weight_decay": NONNEG, "warmup_steps": CAP,
-    "reasoning_weight": NONNEG, "answer_weight": NONNEG, "max_length": I(ge=2), "seed": SEED,
+    "reasoning_weight": NONNEG, "answer_weight": NONNEG, "citation_weight": F(ge=0, optional=True),
+    "max_length": I(ge=2), "seed": SEED,
     "grad_clip": ANY_F,  # <= 0 disables clipping
 }
 DAPO = {
@@ -89,7 +90,7 @@ BOUNDS: dict[str, dict[str, B]] = {
     },
     "traces": {
         "samples": COUNT, "temperature": POS, "target_tokens": COUNT, "seed": SEED, "history_len": CAP,
-        "max_attributes": CAP, "max_examples": CAP, "unlabelled_lists": I(ge=-1),
+        "max_attributes": CAP, "max_examples": CAP, "unlabelled_lists": I(ge=-1), "ranked_positions": CAP,
     },
     "traces.ltr": {
         "num_leaves": I(ge=2, le=1024), "learning_rate": F(gt=0, le=1), "n_estimators": I(ge=1, le=2000),
@@ -115,7 +116,7 @@ BOUNDS: dict[str, dict[str, B]] = {
     "trajectories": {"batch_size": COUNT, "max_new_tokens": COUNT, "max_examples": CAP},
     "cft": {"seed": SEED, "valid_fraction": F(ge=0, lt=1), "max_examples": CAP},
     "cft.train": {
-        **SFT, "pad_weight": NONNEG, "block_size": COUNT, "t_min": UNIT,
+        **{k: b for k, b in SFT.items() if k != "citation_weight"}, "pad_weight": NONNEG, "block_size": COUNT, "t_min": UNIT,
         "valid_every": CAP, "kd_weight": NONNEG, "suffix_prob": UNIT,
     },
     "opd": {"seed": SEED, "max_prompts": CAP},

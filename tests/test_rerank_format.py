@@ -17,6 +17,7 @@ from gr2model.rerank_format import (
     build_full_text,
     build_prompt,
     build_response,
+    no_reasoning_prefix,
     parse_response,
     rerank_metrics,
 )
@@ -375,3 +376,36 @@ def test_evidence_levels_and_fitted_bins() -> None:
     assert evidence_levels(np.array([[bins[0][0], 0.0]]), bins)[0, 0] == 1  # a threshold reached counts
     with pytest.raises(ValueError, match="shape"):
         evidence_levels(np.zeros((3, 1)), bins)
+
+
+@pytest.mark.parametrize("ranking", [[9, 3, 7, 5], [3, 5, 7, 9]])
+def test_reasoning_first_response_with_position_citations_round_trips(items: ItemText, ranking: list[int]) -> None:
+    """The default format: the explanation first, citing candidates as `<pos_k>` + semantic id in the
+    order it ranks them, then the ranking that follows from it."""
+    fmt = FormatConfig(history_len=2, with_attributes=False, answer="index", answer_first=False)
+    cited = [w for r in ranking[:2] for w in (f"<pos_{CANDS.index(r) + 1}>", *sid(r).split(), "then")]
+    words = ["step", "2", ":", *cited]
+    text = build_response(words, ranking, items, fmt=fmt, candidates=CANDS)
+    assert text.startswith('{ "explanation" : " step 2 : <pos_')
+    assert list(json.loads(text)) == ["explanation", "recommendations"]
+    p = parse_response(f"{text} {EOS}", CANDS, items, fmt=fmt)
+    assert p == ParsedResponse(True, True, ranking, " ".join(words), "", ranking == CANDS)
+    # The reasoning's citations name the answer's first two positions, token for token.
+    positions = [w for w in p.explanation.split() if w.startswith("<pos_")]
+    assert positions == [f"<pos_{CANDS.index(r) + 1}>" for r in ranking[:2]]
+    assert json.loads(text)["recommendations"][:2] == [f" {w} " for w in positions]
+    # A BPE-style decode that glues the citation to its id still reads the same explanation.
+    glued = text.replace(f"{positions[0]} <a_", f"{positions[0]}<a_", 1)
+    assert parse_response(glued, CANDS, items, fmt=fmt).explanation == p.explanation
+
+
+def test_no_reasoning_prefix_opens_an_empty_explanation(items: ItemText) -> None:
+    fmt = FormatConfig(answer="index", answer_first=False)
+    prefix = no_reasoning_prefix(fmt)
+    assert prefix == '{ "explanation" : " " ,'
+    # What the model writes after it completes a response whose explanation is empty.
+    rest = build_response([], [5, 3, 7, 9], items, fmt=fmt, candidates=CANDS)[len(prefix) :]
+    p = parse_response(prefix + rest, CANDS, items, fmt=fmt)
+    assert p.valid_permutation and p.explanation == "" and p.ranking == [5, 3, 7, 9]
+    with pytest.raises(ValueError, match="answer-first"):
+        no_reasoning_prefix(replace(fmt, answer_first=True))

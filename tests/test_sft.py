@@ -141,6 +141,25 @@ def test_weights_land_on_the_right_tokens(tok, items) -> None:
     assert len(short["weights"]) == len(short["labels"]) == n_prompt + 3
 
 
+def test_citation_weight_lands_on_the_reasonings_position_tokens(tok, items) -> None:
+    """Reasoning first, index answer: the `<pos_k>` citations inside the explanation weigh
+    citation_weight; the other reasoning words reasoning_weight; the answer's own position
+    tokens answer_weight. Unset, the citations weigh as reasoning."""
+    fc = FormatConfig(history_len=2, with_attributes=False, answer="index")
+    cands = [2, 3, 1]
+    prompt = build_prompt([4, 1], cands, items, fc)
+    response = build_response(["pick", "<pos_2>", "<a_3>", "over", "<pos_1>"], [3, 2, 1], items, fmt=fc, candidates=cands)
+    n_prompt = len(prompt.split())
+    resp_words = build_full_text(prompt, response).split()[n_prompt:]
+    enc = encode_example(tok, prompt, response, SFTConfig(reasoning_weight=0.5, answer_weight=3.0, citation_weight=7.0))
+    by_word = list(zip(resp_words, enc["weights"][n_prompt:], enc["reasoning"][n_prompt:]))
+    assert by_word[4:9] == [("pick", 0.5, 1), ("<pos_2>", 7.0, 1), ("<a_3>", 0.5, 1), ("over", 0.5, 1), ("<pos_1>", 7.0, 1)]
+    answer_positions = [w for t, w, _ in by_word[9:] if t.startswith("<pos_")]
+    assert answer_positions == [3.0, 3.0, 3.0]
+    plain = encode_example(tok, prompt, response, SFTConfig(reasoning_weight=0.5, answer_weight=3.0))
+    assert [w for t, w, _ in zip(resp_words, plain["weights"][n_prompt:], plain["reasoning"][n_prompt:]) if t == "<pos_2>"][0] == 0.5
+
+
 def test_collate_right_pads() -> None:
     a = {"input_ids": [5, 6, 7], "labels": [-100, 6, 7], "weights": [0.0, 1.0, 2.0], "reasoning": [0, 1, 0]}
     b = {"input_ids": [8], "labels": [8], "weights": [1.0], "reasoning": [0]}

@@ -17,6 +17,7 @@ from gr2model.teacher import (
     TRACE_WORDS,
     ExpertTeacher,
     TeacherConfig,
+    answer_order,
     generate_traces,
     plackett_luce_sample,
     teacher_accuracy,
@@ -375,3 +376,46 @@ def test_config_validation(kwargs) -> None:
 def test_unknown_weight_name() -> None:
     with pytest.raises(ValueError, match="unknown features"):
         ExpertTeacher(toy_items(), [[1, 2, 3]], N_ITEMS, weights={"magic": 1.0})
+
+
+def test_answer_order_keeps_the_ranked_head_then_the_incoming_order() -> None:
+    assert answer_order([7, 3, 9, 1], [1, 3, 7, 9], 1) == [7, 1, 3, 9]
+    assert answer_order([7, 3, 9, 1], [1, 3, 7, 9], 2) == [7, 3, 1, 9]
+    assert answer_order([7, 3, 9, 1], [1, 3, 7, 9], 0) == [7, 3, 9, 1]
+    assert answer_order([7, 3, 9, 1], [1, 3, 7, 9], 10) == [7, 3, 9, 1]
+
+
+def test_reasoning_first_traces_decide_inside_the_reasoning(world) -> None:
+    """Index format, reasoning first: the explanation cites candidates as `<pos_k>` + semantic id,
+    its first citation is the ranking's first item and its step 3 names the first two in order;
+    with ranked_positions 3 the answer follows the teacher's first three, then the incoming order."""
+    fmt = FormatConfig(answer="index", answer_first=False)
+    lists = world["train"].head(200)
+    out, _ = generate_traces(world["teacher"], lists, world["text"], fmt, TeacherConfig(mode="distill", ranked_positions=3))
+    full, _ = generate_traces(world["teacher"], lists, world["text"], fmt, TeacherConfig(mode="distill"))
+    text = world["text"]
+    departs = 0
+    for response, ranking, teacher_order, cands in zip(
+        out["response"], out["ranking"].to_list(), full["ranking"].to_list(), lists["candidates"].to_list(), strict=True
+    ):
+        assert ranking == teacher_order[:3] + [c for c in cands if c not in teacher_order[:3]]
+        parsed = parse_response(response, cands, text, fmt=fmt)
+        assert parsed.valid_permutation and parsed.ranking == ranking
+        assert response.startswith('{ "explanation" : " step 1 :')
+        words = parsed.explanation.split()
+        pos = [cands[int(w[5:-1]) - 1] for w in words if w.startswith("<pos_")]
+        step2 = parsed.explanation.split(" step 2 : ")[1].split(" step 3 : ")[0].split()
+        step3 = parsed.explanation.split(" step 3 : ")[1].split()
+        first_cited = next(cands[int(w[5:-1]) - 1] for w in step2 if w.startswith("<pos_"))
+        assert first_cited == ranking[0]
+        assert [cands[int(w[5:-1]) - 1] for w in step3 if w.startswith("<pos_")] == ranking[:2]
+        # Every citation is a position token followed by that candidate's semantic id.
+        for i, w in enumerate(words):
+            if w.startswith("<pos_"):
+                assert words[i + 1 : i + 5] == text.sid_tokens(cands[int(w[5:-1]) - 1])
+        assert set(pos) <= set(cands)
+        departs += ranking != cands
+    assert departs > 0
+    # The sid format keeps the semantic-id-only citations.
+    sid_out, _ = generate_traces(world["teacher"], lists.head(20), text, FormatConfig(), TeacherConfig(mode="distill"))
+    assert not any("<pos_" in r for r in sid_out["response"])
