@@ -10,6 +10,11 @@ checkpoint without running the stages that `evaluate` waits for.
     python experiments/eval_checkpoint.py --root WORKSPACE checkpoints/gr2-sft checkpoints/gr2
     python experiments/eval_checkpoint.py --root WORKSPACE --splits test --max-examples 300 --sub-block-size 8 checkpoints/dgr2-cft
     python experiments/eval_checkpoint.py --root WORKSPACE --constrained --explanation-tau 0.5 checkpoints/gr2 checkpoints/dgr2
+    python experiments/eval_checkpoint.py --root WORKSPACE --no-reasoning checkpoints/gr2
+
+`--no-reasoning` decodes each checkpoint a second time with its explanation forced
+empty (`rerank_format.no_reasoning_prefix`, evaluate's `gr2-no-reasoning` row), as
+the checkpoint `<ckpt>:no-reasoning`, with its paired differences to the first.
 
 `--max-examples N` scores the first N examples of each split only: a quick
 look while tuning, not a result (evaluate scores every example).
@@ -31,7 +36,7 @@ import numpy as np
 from gr2model.checkpoint import load_hf_checkpoint
 from gr2model.data import load_prepared
 from gr2model.rerank_eval import decoder_kwargs, fixed_rankings, lm_rerank, rerank_examples
-from gr2model.rerank_format import ItemText
+from gr2model.rerank_format import ItemText, no_reasoning_prefix
 from tasks.evaluate import CI_METRICS, add_intervals, paired_difference, scored
 from tasks.traces import load_format, load_lists
 
@@ -50,6 +55,7 @@ def main() -> None:
     p.add_argument("--explanation-tau", type=float, default=None, help="a diffusion checkpoint's threshold after the answer (needs --constrained)")
     p.add_argument("--explanation-sub-block-size", type=int, default=None, help="its sub-block size past the answer (needs --constrained)")
     p.add_argument("--sub-block-cache", action="store_true", help="decode a diffusion checkpoint with the approximate sub-block cache")
+    p.add_argument("--no-reasoning", action="store_true", help="also decode each checkpoint with its explanation forced empty")
     a = p.parse_args()
     fmt = load_format(a.root)
     ds, _ = load_prepared(a.root / "data/prepared")
@@ -60,8 +66,11 @@ def main() -> None:
     # The incoming order, scored as evaluate scores its prerank row: the reference of the paired differences.
     prerank = {s: scored(fixed_rankings(df["candidates"].to_list(), df["candidates"].to_list()), df["target"].to_list()) for s, df in lists.items()}
     first: dict[str, np.ndarray] = {}  # the first checkpoint's per-example target ranks, per split
-    for ckpt in a.checkpoints:
-        model, tok = load_hf_checkpoint(a.root / ckpt)
+    runs = [(c, "") for c in a.checkpoints]
+    if a.no_reasoning:
+        runs += [(f"{c}:no-reasoning", no_reasoning_prefix(fmt)) for c in a.checkpoints]
+    for ckpt, prefix in runs:
+        model, tok = load_hf_checkpoint(a.root / ckpt.removesuffix(":no-reasoning"))
         model.eval()
         results: dict[str, dict[str, dict]] = {"prerank": {s: m for s, (m, _) in prerank.items()}, ckpt: {}}
         ranks: dict[str, dict[str, np.ndarray]] = {"prerank": {s: r for s, (_, r) in prerank.items()}, ckpt: {}}
@@ -70,7 +79,7 @@ def main() -> None:
             t0 = time.perf_counter()
             result = lm_rerank(
                 model, tok, df, items, fmt, batch_size=a.batch_size, max_new_tokens=a.max_new_tokens,
-                constrained=a.constrained,
+                constrained=a.constrained, response_prefix=prefix,
                 **decoder_kwargs(model, a.tau, sub_block_size=a.sub_block_size, explanation_threshold=a.explanation_tau, explanation_sub_block_size=a.explanation_sub_block_size, sub_block_cache=a.sub_block_cache),
             )
             results[ckpt][split], ranks[ckpt][split] = scored(result.parsed, df["target"].to_list())

@@ -1,0 +1,188 @@
+"""Train `sft` and `ar_rl` with several seeds on a workspace's data and `gr2-base`; judge each seed on every example.
+
+One training run is one sample: GR2's gain over the incoming order is a few
+hundredths of R@1, about what two trainings of one recipe differ by. This
+trains the same recipe once per seed and writes what each seed reached, and
+the spread, to `reports/seeds.json` in the workspace:
+
+    python experiments/seeds.py --root WORKSPACE --seeds 0 1 2
+    python experiments/seeds.py --root WORKSPACE --seeds 1 2 --parallel 2 --threads 1   # two at once, one thread each
+
+Each seed trains in `WORKSPACE/seeds/seed<S>/`: a folder whose `data` and
+`checkpoints/gr2-base` link to the workspace's, with the workspace's
+params.yaml where `sft.seed`, `sft.train.seed`, `ar_rl.seed` and
+`ar_rl.train.seed` are S, running `python -m tasks.sft` then
+`python -m tasks.ar_rl` there with tracking off (the registry is for the
+pipeline's own models). A seed whose params equal the workspace's (the
+pipeline's own run) reuses the workspace's checkpoints instead of training
+again; a seed folder whose checkpoints exist is not trained again either
+(`--retrain` forces it). Every seed's gr2-sft and gr2 are then decoded on
+every validation and test re-ranking example as `evaluate` decodes them
+(greedy, no grammar, the strict parser), with paired bootstrap intervals of
+R@1 and NDCG@3 against the incoming order.
+
+reports/seeds.json: `{"seeds": {S: {split: {model: {recall@1, ndcg@3,
+recall@1_vs_prerank, ndcg@3_vs_prerank, valid_permutation_rate, ...}}}},
+"spread": {split: {model: {metric: {min, max, range, mean}}}}, "commands": ...}`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import yaml
+
+from gr2model.checkpoint import load_hf_checkpoint
+from gr2model.data import load_prepared
+from gr2model.rerank_eval import fixed_rankings, lm_rerank, rerank_examples
+from gr2model.rerank_format import ItemText
+from tasks.common import write_json_atomic
+from tasks.evaluate import add_intervals, scored
+from tasks.traces import load_format, load_lists
+
+MODELS = {"gr2-sft": Path("checkpoints/gr2-sft"), "gr2": Path("checkpoints/gr2")}
+REPORT = Path("reports/seeds.json")
+# What a seed sets: the sft split and batch order, the RL prompt order, sampling and torch seed.
+SEED_KEYS = (("sft", "seed"), ("sft", "train", "seed"), ("ar_rl", "seed"), ("ar_rl", "train", "seed"))
+# The figures kept per seed, split and model (the intervals come with the _vs_prerank entries).
+KEPT = ("recall@1", "ndcg@3", "recall@1_vs_prerank", "ndcg@3_vs_prerank", "valid_permutation_rate", "copy_incoming_rate", "n")
+
+
+def seeded_params(params: dict[str, Any], seed: int) -> dict[str, Any]:
+    """`params` with every key of SEED_KEYS set to `seed` (a deep copy)."""
+    out = copy.deepcopy(params)
+    for path in SEED_KEYS:
+        node = out
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = seed
+    return out
+
+
+def seed_of_params(params: dict[str, Any]) -> int | None:
+    """The seed the workspace's own params train with, when every SEED_KEYS entry agrees (a missing one counts as 0)."""
+    values = set()
+    for path in SEED_KEYS:
+        node: Any = params
+        for key in path:
+            node = node.get(key, 0) if isinstance(node, dict) else 0
+        values.add(int(node))
+    return values.pop() if len(values) == 1 else None
+
+
+def prepare_seed_dir(root: Path, seed: int, params: dict[str, Any]) -> Path:
+    """WORKSPACE/seeds/seed<S>: links to the workspace's data and gr2-base, and the seeded params.yaml."""
+    work = root / "seeds" / f"seed{seed}"
+    (work / "checkpoints").mkdir(parents=True, exist_ok=True)
+    for link, target in ((work / "data", root / "data"), (work / "checkpoints" / "gr2-base", root / "checkpoints" / "gr2-base")):
+        if not link.is_symlink():
+            link.symlink_to(target.resolve(), target_is_directory=True)
+    (work / "params.yaml").write_text(yaml.safe_dump(seeded_params(params, seed), sort_keys=False))
+    return work
+
+
+def train_seed(root: Path, seed: int, params: dict[str, Any], threads: int, retrain: bool) -> Path:
+    """The folder holding this seed's gr2-sft and gr2, trained there unless they exist already."""
+    if seed_of_params(params) == seed and all((root / p).exists() for p in MODELS.values()) and not retrain:
+        print(f"seed {seed}: the workspace's own params; its checkpoints are reused", flush=True)
+        return root
+    work = prepare_seed_dir(root, seed, params)
+    env = {**os.environ, "GR2_TRACKING": "off", "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(root.resolve())}
+    for stage, out in (("sft", MODELS["gr2-sft"]), ("ar_rl", MODELS["gr2"])):
+        if (work / out).exists() and not retrain:
+            print(f"seed {seed}: {out} exists; not trained again", flush=True)
+            continue
+        t0 = time.perf_counter()
+        print(f"seed {seed}: {stage} in {work} ({threads} threads)", flush=True)
+        with open(work / f"{stage}.log", "w") as log:
+            done = subprocess.run([sys.executable, "-m", f"tasks.{stage}"], cwd=work, env=env, stdout=log, stderr=subprocess.STDOUT)
+        if done.returncode:
+            raise SystemExit(f"seed {seed}: {stage} failed (exit {done.returncode}); its log: {work / f'{stage}.log'}")
+        print(f"seed {seed}: {stage} done in {time.perf_counter() - t0:.0f} s", flush=True)
+    return work
+
+
+def judge(root: Path, folders: dict[int, Path], splits: list[str], batch_size: int, max_new_tokens: int) -> dict[int, dict[str, dict[str, dict[str, Any]]]]:
+    """{seed: {split: {model: figures}}}: each seed's models decoded on every re-ranking example."""
+    fmt = load_format(root)
+    ds, _ = load_prepared(root / "data/prepared")
+    items = ItemText(ds.items)
+    lists = {s: rerank_examples(load_lists(root, s)) for s in splits}
+    out: dict[int, dict[str, dict[str, dict[str, Any]]]] = {}
+    for seed, folder in folders.items():
+        results: dict[str, dict[str, dict[str, Any]]] = {"prerank": {}}
+        ranks: dict[str, dict[str, np.ndarray]] = {"prerank": {}}
+        for split, df in lists.items():
+            incoming = df["candidates"].to_list()
+            results["prerank"][split], ranks["prerank"][split] = scored(fixed_rankings(incoming, incoming), df["target"].to_list())
+        for name, path in MODELS.items():
+            model, tok = load_hf_checkpoint(folder / path)
+            results[name], ranks[name] = {}, {}
+            for split, df in lists.items():
+                res = lm_rerank(model.eval(), tok, df, items, fmt, batch_size=batch_size, max_new_tokens=max_new_tokens, desc=f"seed {seed} {name} {split}")
+                results[name][split], ranks[name][split] = scored(res.parsed, df["target"].to_list())
+        add_intervals(results, ranks, n_boot=2000, seed=0)
+        out[seed] = {split: {name: {k: results[name][split][k] for k in KEPT} for name in MODELS} for split in splits}
+        print(json.dumps({"seed": seed, **{s: {m: round(v["recall@1_vs_prerank"]["diff"], 4) for m, v in by.items()} for s, by in out[seed].items()}}), flush=True)
+    return out
+
+
+def spread(per_seed: dict[int, dict[str, dict[str, dict[str, Any]]]]) -> dict[str, dict[str, dict[str, dict[str, float]]]]:
+    """{split: {model: {metric: {min, max, range, mean}}}} over the seeds, for R@1, NDCG@3 and their gains."""
+    out: dict[str, dict[str, dict[str, dict[str, float]]]] = {}
+    first = next(iter(per_seed.values()))
+    for split, by_model in first.items():
+        out[split] = {}
+        for model in by_model:
+            out[split][model] = {}
+            for metric in ("recall@1", "ndcg@3", "recall@1_vs_prerank", "ndcg@3_vs_prerank"):
+                v = [s[split][model][metric] for s in per_seed.values()]
+                v = [x["diff"] if isinstance(x, dict) else x for x in v]
+                out[split][model][metric] = {"min": min(v), "max": max(v), "range": max(v) - min(v), "mean": float(np.mean(v))}
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--root", type=Path, required=True, help="a workspace that ran `midtrain` (its data and checkpoints/gr2-base)")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--parallel", type=int, default=1, help="seeds trained at once")
+    p.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", "2")), help="torch threads per training")
+    p.add_argument("--retrain", action="store_true", help="train every seed again, even where its checkpoints exist")
+    p.add_argument("--splits", default="valid,test")
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--max-new-tokens", type=int, default=320)
+    a = p.parse_args()
+    root = a.root.resolve()
+    if not (root / "checkpoints" / "gr2-base").exists():
+        raise SystemExit(f"{root / 'checkpoints' / 'gr2-base'}: no such checkpoint; run `gr2 run --stage midtrain` in the workspace first")
+    params = yaml.safe_load((root / "params.yaml").read_text())
+    with ThreadPoolExecutor(max_workers=a.parallel) as pool:
+        folders = dict(zip(a.seeds, pool.map(lambda s: train_seed(root, s, params, a.threads, a.retrain), a.seeds)))
+    per_seed = judge(root, folders, a.splits.split(","), a.batch_size, a.max_new_tokens)
+    report = {
+        "seeds": {str(s): v for s, v in per_seed.items()},
+        "spread": spread(per_seed),
+        "folders": {str(s): str(f) for s, f in folders.items()},
+        "command": " ".join(["python", "experiments/seeds.py", *sys.argv[1:]]),
+    }
+    write_json_atomic(report, root / REPORT)
+    print(f"written: {root / REPORT}", flush=True)
+    for split, by_model in report["spread"].items():
+        for model, m in by_model.items():
+            r = m["recall@1_vs_prerank"]
+            print(f"{split} {model}: R@1 - prerank mean {r['mean']:+.4f}, min {r['min']:+.4f}, max {r['max']:+.4f}, range {m['recall@1']['range']:.4f}")
+
+
+if __name__ == "__main__":
+    main()
