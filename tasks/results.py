@@ -270,11 +270,12 @@ def ablation_table(evaluate: Mapping[str, Mapping[str, Mapping[str, Any]]], spli
     return _table(ABLATION_HEADER, rows) if rows else ""
 
 
-LADDER_HEADER = ("model", "R@1", "R@1 - gr2", "NDCG@3 - gr2", "valid permutations", "grammar changed")
+LADDER_HEADER = ("model", "R@1", "R@1 - gr2", "NDCG@3 - gr2", "top-1 as GR2's", "valid permutations", "grammar changed")
 
 
 def diffusion_ladder(evaluate: Mapping[str, Mapping[str, Mapping[str, Any]]], split: str) -> str:
-    """GR2 and each diffusion stage (with its `+grammar` row) against GR2, paired; '' when no such row exists."""
+    """GR2 and each diffusion stage (with its `+grammar` row) against GR2: paired differences of R@1 and
+    NDCG@3, the share of first items equal to GR2's, validity; '' when no diffusion row has `split`."""
     names = [m for m in model_order(list(evaluate)) if m.removesuffix(GRAMMAR_SUFFIX) in LADDER and split in evaluate[m]]
     if not names:
         return ""
@@ -283,7 +284,7 @@ def diffusion_ladder(evaluate: Mapping[str, Mapping[str, Mapping[str, Any]]], sp
         m = evaluate[model][split]
         rows.append([
             f"`{model}`", _with_ci(m, "recall@1"), _diff(m, "recall@1_vs_gr2"), _diff(m, "ndcg@3_vs_gr2"),
-            _fmt(m.get("valid_permutation_rate")), _fmt(m.get("grammar_changed_rate")),
+            _fmt(m.get("top1_agreement_vs_gr2")), _fmt(m.get("valid_permutation_rate")), _fmt(m.get("grammar_changed_rate")),
         ])  # fmt: skip
     return _table(LADDER_HEADER, rows)
 

@@ -39,7 +39,7 @@ def _m(r1: float, ndcg3: float, *, vs_prerank: float | None = None, vs_gr2: floa
 
 EVALUATE = {
     "prerank": {"test": _m(0.3223, 0.4701, valid_permutation_rate=1.0, copy_incoming_rate=1.0)},
-    "dgr2": {"test": _m(0.3264, 0.4717, vs_prerank=0.0041, vs_gr2=0.0, valid_permutation_rate=0.961, copy_incoming_rate=0.94)},
+    "dgr2": {"test": _m(0.3264, 0.4717, vs_prerank=0.0041, vs_gr2=0.0, valid_permutation_rate=0.961, copy_incoming_rate=0.94, top1_agreement_vs_gr2=0.93)},
     "gr2": {"test": _m(0.3372, 0.4765, vs_prerank=0.0149, valid_permutation_rate=0.9986, copy_incoming_rate=0.873)},
     "gr2+grammar": {"test": _m(0.3372, 0.4765, vs_prerank=0.0149, valid_permutation_rate=1.0, copy_incoming_rate=0.873, grammar_changed_rate=0.0014)},
     "new-row": {"test": _m(0.30, 0.45)},
@@ -76,7 +76,7 @@ def test_rows_follow_the_reading_order_and_carry_intervals() -> None:
 
 def test_ladder_only_with_diffusion_rows() -> None:
     ladder = diffusion_ladder(EVALUATE, "test")
-    assert ladder.splitlines()[2].startswith("| `gr2` |") and "| `dgr2` | 0.3264 [0.3164, 0.3364] | +0.0000 [-0.0070, +0.0070] |" in ladder
+    assert ladder.splitlines()[2].startswith("| `gr2` |") and "| `dgr2` | 0.3264 [0.3164, 0.3364] | +0.0000 [-0.0070, +0.0070] | - | 0.9300 | 0.9610 | - |" in ladder
     assert diffusion_ladder({"gr2": EVALUATE["gr2"]}, "test") == ""
 
 
