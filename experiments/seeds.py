@@ -112,14 +112,30 @@ def train_seed(root: Path, seed: int, params: dict[str, Any], threads: int, retr
     return work
 
 
+def figures_path(root: Path, seed: int) -> Path:
+    """Where one seed's figures are kept, so a later call with more seeds decodes only the new ones."""
+    return root / "seeds" / f"seed{seed}" / "figures.json"
+
+
 def judge(root: Path, folders: dict[int, Path], splits: list[str], batch_size: int, max_new_tokens: int) -> dict[int, dict[str, dict[str, dict[str, Any]]]]:
-    """{seed: {split: {model: figures}}}: each seed's models decoded on every re-ranking example."""
+    """{seed: {split: {model: figures}}}: each seed's models decoded on every re-ranking example.
+
+    A seed's figures are reused from `figures_path` when they were computed on the same
+    splits after its checkpoints were last written."""
     fmt = load_format(root)
     ds, _ = load_prepared(root / "data/prepared")
     items = ItemText(ds.items)
     lists = {s: rerank_examples(load_lists(root, s)) for s in splits}
     out: dict[int, dict[str, dict[str, dict[str, Any]]]] = {}
     for seed, folder in folders.items():
+        kept = figures_path(root, seed)
+        newest = max((folder / p / "COMPLETE").stat().st_mtime for p in MODELS.values())
+        if kept.exists() and kept.stat().st_mtime > newest:
+            cached = {int(k): v for k, v in json.loads(kept.read_text()).items()}
+            if seed in cached and sorted(cached[seed]) == sorted(splits):
+                out[seed] = cached[seed]
+                print(f"seed {seed}: figures reused from {kept}", flush=True)
+                continue
         results: dict[str, dict[str, dict[str, Any]]] = {"prerank": {}}
         ranks: dict[str, dict[str, np.ndarray]] = {"prerank": {}}
         for split, df in lists.items():
@@ -133,6 +149,8 @@ def judge(root: Path, folders: dict[int, Path], splits: list[str], batch_size: i
                 results[name][split], ranks[name][split] = scored(res.parsed, df["target"].to_list())
         add_intervals(results, ranks, n_boot=2000, seed=0)
         out[seed] = {split: {name: {k: results[name][split][k] for k in KEPT} for name in MODELS} for split in splits}
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        write_json_atomic({str(seed): out[seed]}, kept)
         print(json.dumps({"seed": seed, **{s: {m: round(v["recall@1_vs_prerank"]["diff"], 4) for m, v in by.items()} for s, by in out[seed].items()}}), flush=True)
     return out
 
