@@ -54,7 +54,9 @@ from prefect.runtime import flow_run
 from pydantic import BaseModel
 
 from flows import dvc_stages
-from flows.registry import CHALLENGER, MODEL_STAGES, find_version, version_description
+from flows.registry import (
+    CHALLENGER, MODEL_STAGES, DecoderSetting, ModelStage, evaluate_setting, find_version, find_versions, version_description, version_setting,
+)  # fmt: skip
 from tasks.common import ParamsError, load_stage_config, read_params
 from tasks.tracking import metric_key
 
@@ -64,8 +66,12 @@ CHAMPION = "champion"
 SECTION = "promote"  # params.yaml section (not a DVC stage: promotion changes the registry, not files)
 EVALUATE_METRICS = "metrics/evaluate.json"
 SPEED_METRICS = "metrics/speed.json"
-SPEED_FIELDS = ("speedup", "tokens_per_s", "nfe_per_token", "response_tokens", "recall@1", "valid_format_rate",
+SPEED_FIELDS = ("speedup", "seconds_per_example", "seconds_min", "seconds_max", "repeats", "tokens_per_s", "tokens_per_s_speedup",
+                "nfe_per_token", "response_tokens", "recall@1", "valid_format_rate",
                 "mean_accepted_length", "equal_to_gr2")  # the last two: speculative rows only  # fmt: skip
+# The checkpoint hash recorded when dvc.lock cannot tie a metrics file to the version's checkpoint:
+# such numbers are attached (so they can be seen) but `judge` refuses to promote on them.
+UNVERIFIED = "unverified"
 
 
 # ---------------------------------------------------------------------------
@@ -77,7 +83,8 @@ class _Config(BaseModel):
 
 
 class SpeedGate(_Config):
-    """Decode speed-up over the best AR decoder for the same weights (a row of metrics/speed.json)."""
+    """Decode speed-up over the best AR decoder for the same weights (a row of metrics/speed.json): the AR
+    decoder's time per example over the version's, on the bench row of the version's own decoder setting."""
 
     min_speedup: float = 2.0
     # Confidence threshold of the diffusion decoder the floor applies at; None for the
@@ -158,7 +165,14 @@ def record_evaluations(root: Path, client: Any | None = None) -> list[dict[str, 
     A version is found by its `checkpoint_md5` tag (the hash dvc.lock holds for
     the stage's checkpoint); the model name in metrics/evaluate.json and
     metrics/speed.json is the checkpoint folder's name (`checkpoints/gr2-sft` ->
-    `gr2-sft`). Numbers measured on another checkpoint hash are not attached.
+    `gr2-sft`). A version keeps only numbers of its own decoder setting (its
+    `decoder.*` tags, `flows.registry.DecoderSetting`): evaluate's headline row when
+    evaluate decoded it so (dvc.lock's `evaluate` params: tau, sub-blocks, cache; no
+    grammar), and the bench rows of exactly that setting, one per batch size. Numbers
+    measured on another checkpoint hash, or at another setting, are not attached (the
+    reason goes to `eval.not_attached` / `speed.not_attached`); tags of a section that is
+    attached replace that section's old ones. Numbers dvc.lock cannot tie to the
+    checkpoint are attached with checkpoint hash `unverified`, which `judge` refuses.
     Safe to run again: tags are overwritten with the same values.
 
     Returns one entry per version tagged: model, version, stage, and what was tagged.
@@ -169,43 +183,89 @@ def record_evaluations(root: Path, client: Any | None = None) -> list[dict[str, 
     root = root.resolve()
     evaluation = _read_json(root / EVALUATE_METRICS) or {}
     speed_rows = (_read_json(root / SPEED_METRICS) or {}).get("rows", [])
+    evaluated_with = (dvc_stages.lock_entry(root, "evaluate")["params"].get("params.yaml") or {}).get("evaluate")
     done = []
     for stage, spec in MODEL_STAGES.items():
         entry = dvc_stages.lock_entry(root, stage)
         md5 = entry["outs"].get(spec.checkpoint)
         if not md5:
             continue
-        mv = find_version(client, spec.model_name, md5)
-        if mv is None:
-            continue
-        name = Path(spec.checkpoint).name
-        tags = _params_tag(entry)
-        what = []
-        if name in evaluation:
-            measured = _measured_on(root, EVALUATE_METRICS, spec.checkpoint)
-            if measured not in (None, md5):
-                log.warning("%s: %s was evaluated on checkpoint %s, the version has %s; eval tags not attached", spec.model_name, name, measured, md5)
-            else:
-                tags |= _eval_tags(name, measured or "unverified", evaluation[name])
-                what.append("eval")
-        # Diffusion rows only: AR rows (tau None) are the reference every speed-up is relative to.
-        # The gates judge the decoder the model is served with (whole blocks), not sub-block rows.
-        rows = [r for r in speed_rows if r.get("model") == name and r.get("tau") is not None and r.get("sub_block_size") is None]
-        if rows:
-            measured = _measured_on(root, SPEED_METRICS, spec.checkpoint)
-            if measured not in (None, md5):
-                log.warning("%s: speed of %s was measured on checkpoint %s, the version has %s; speed tags not attached", spec.model_name, name, measured, md5)
-            else:
-                tags |= _speed_tags(measured or "unverified", rows)
-                what.append("speed")
-        for key, value in tags.items():
-            client.set_model_version_tag(spec.model_name, str(mv.version), key, value)
-        if "eval" in what:  # the description gains the held-out numbers the version was judged on
-            client.update_model_version(spec.model_name, str(mv.version), description=version_description(spec, root, md5, evaluation[name]))
-        done.append({"model": spec.model_name, "version": str(mv.version), "stage": stage, "tagged": what})
-        log.info("%s version %s (%s): tagged %s", spec.model_name, mv.version, stage, ", ".join(what) or "params hash only")
+        for mv in find_versions(client, spec.model_name, md5):
+            tags, what = _version_evidence(root, spec, md5, mv, evaluation, speed_rows, evaluated_with)
+            _write_tags(client, spec.model_name, mv, _params_tag(entry) | tags)
+            if "eval" in what:  # the description gains the held-out numbers the version was judged on
+                name = Path(spec.checkpoint).name
+                setting = version_setting(mv.tags, spec)
+                client.update_model_version(spec.model_name, str(mv.version), description=version_description(spec, root, md5, evaluation[name], setting))
+            done.append({"model": spec.model_name, "version": str(mv.version), "stage": stage, "tagged": what})
+            log.info("%s version %s (%s): tagged %s", spec.model_name, mv.version, stage, ", ".join(what) or "params hash only")
     done += _record_speculative(root, client, evaluation, speed_rows)
     return done
+
+
+def _version_evidence(
+    root: Path, spec: ModelStage, md5: str, mv: Any, evaluation: dict[str, Any], speed_rows: list[dict[str, Any]], evaluated_with: dict[str, Any] | None
+) -> tuple[dict[str, str], list[str]]:
+    """(tags, sections attached) of one version of a stage's checkpoint: its setting's eval and speed numbers."""
+    name = Path(spec.checkpoint).name
+    setting = version_setting(mv.tags, spec)
+    tags: dict[str, str] = {}
+    what: list[str] = []
+    if setting is not None and DecoderSetting.from_tags(mv.tags) is None:
+        tags |= setting.tags()  # registered before settings were recorded: what its pyfunc serves, said once
+    if name in evaluation:
+        measured = _measured_on(root, EVALUATE_METRICS, spec.checkpoint)
+        rows_setting = _evaluated_setting(spec, evaluation[name], evaluated_with)
+        if measured not in (None, md5):
+            why = f"metrics/evaluate.json was measured on checkpoint {measured}, the version has {md5}"
+            log.warning("%s: %s; eval tags not attached", spec.model_name, why)
+            tags["eval.not_attached"] = why
+        elif setting is not None and rows_setting != setting:
+            why = f"evaluate decoded {name} with {rows_setting.label()}; the version serves {setting.label()}"
+            log.warning("%s version %s: %s; eval tags not attached", spec.model_name, mv.version, why)
+            tags["eval.not_attached"] = why
+        else:
+            tags |= _eval_tags(name, measured or UNVERIFIED, evaluation[name], rows_setting)
+            what.append("eval")
+    if setting is not None and setting.decoder == "diffusion":
+        # AR rows are the reference every speed-up is relative to; the version's own rows are those of its setting.
+        model_rows = [r for r in speed_rows if r.get("model") == name and r.get("decoder") == "diffusion"]
+        rows = [r for r in model_rows if setting.matches(r)]
+        measured = _measured_on(root, SPEED_METRICS, spec.checkpoint)
+        why = ""
+        if model_rows and not rows:
+            why = f"metrics/speed.json has no row of {name} at the served setting ({setting.label()})"
+        elif rows and measured not in (None, md5):
+            why = f"metrics/speed.json was measured on checkpoint {measured}, the version has {md5}"
+        elif rows:
+            try:
+                tags |= _speed_tags(measured or UNVERIFIED, rows, setting)
+                what.append("speed")
+            except ValueError as exc:
+                why = str(exc)
+        if why:
+            log.warning("%s version %s: %s; speed tags not attached", spec.model_name, mv.version, why)
+            tags["speed.not_attached"] = why
+    return tags, what
+
+
+def _evaluated_setting(spec: ModelStage, by_split: dict[str, Any], evaluated_with: dict[str, Any] | None) -> DecoderSetting:
+    """How evaluate decoded a model's headline row: GR2's AR loop or evaluate's diffusion setting (its params
+    in dvc.lock), under the grammar when the row has a grammar_changed_rate (rows from before headline rows went without)."""
+    grammar = any(isinstance(m, dict) and m.get("grammar_changed_rate") is not None for m in by_split.values())
+    base = evaluate_setting(evaluated_with) if spec.decoder == "diffusion" else DecoderSetting(decoder="ar")
+    return base.model_copy(update={"grammar": grammar})
+
+
+def _write_tags(client: Any, model: str, mv: Any, tags: dict[str, str]) -> None:
+    """Set `tags` on the version; a section written anew (`eval.`, `speed.`) drops its old keys first,
+    so no number of another setting or format outlives the section it came with."""
+    fresh = {prefix for prefix in ("eval.", "speed.") if any(k.startswith(prefix) and not k.endswith(".not_attached") for k in tags)}
+    for key in list(mv.tags):
+        if key.split(".", 1)[0] + "." in fresh and key not in tags:
+            client.delete_model_version_tag(model, str(mv.version), key)
+    for key, value in tags.items():
+        client.set_model_version_tag(model, str(mv.version), key, value)
 
 
 def _params_tag(entry: dict[str, Any]) -> dict[str, str]:
@@ -215,9 +275,10 @@ def _params_tag(entry: dict[str, Any]) -> dict[str, str]:
     return {"dvc.params.md5": hashlib.md5(json.dumps(entry["params"], sort_keys=True, default=str).encode()).hexdigest()}
 
 
-def _eval_tags(name: str, measured_md5: str, by_split: dict[str, dict[str, Any]]) -> dict[str, str]:
-    """The `eval.*` tags of the model `name` of metrics/evaluate.json, measured on checkpoint(s) `measured_md5`."""
-    tags = {"eval.model": name, "eval.checkpoint_md5": measured_md5}
+def _eval_tags(name: str, measured_md5: str, by_split: dict[str, dict[str, Any]], setting: DecoderSetting) -> dict[str, str]:
+    """The `eval.*` tags of the model `name` of metrics/evaluate.json, measured on checkpoint(s) `measured_md5`
+    with decoder `setting` (`eval.setting`, its label; `eval.grammar`: whether the answers went through the grammar)."""
+    tags = {"eval.model": name, "eval.checkpoint_md5": measured_md5, "eval.setting": setting.label(), "eval.grammar": "true" if setting.grammar else "false"}
     for split, metrics in by_split.items():
         for metric, value in metrics.items():
             if isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -225,14 +286,22 @@ def _eval_tags(name: str, measured_md5: str, by_split: dict[str, dict[str, Any]]
     return tags
 
 
-def _speed_tags(measured_md5: str, rows: list[dict[str, Any]]) -> dict[str, str]:
-    """The `speed.*` tags of metrics/speed.json rows (one per tau and batch size), measured on `measured_md5`."""
-    tags = {"speed.checkpoint_md5": measured_md5}
+def _speed_tags(measured_md5: str, rows: list[dict[str, Any]], setting: DecoderSetting) -> dict[str, str]:
+    """The `speed.*` tags of the metrics/speed.json rows of one decoder `setting` (one per batch size),
+    measured on `measured_md5`; `speed.setting` says which setting. ValueError when two rows would write
+    one tag (two rows of one setting and batch size: which one is the version's speed cannot be said)."""
+    tags = {"speed.checkpoint_md5": measured_md5, "speed.setting": setting.label()}
+    seen: set[tuple[str, int]] = set()
     for row in rows:
+        if not setting.matches(row):
+            raise ValueError(f"a metrics/speed.json row of another setting than {setting.label()}: {row}")
         tau, bs = row.get("tau"), int(row.get("batch_size", 1))
+        if (_tau_str(tau), bs) in seen:
+            raise ValueError(f"metrics/speed.json has two rows of {row.get('model')} at {setting.label()}, batch {bs}; which is its speed is ambiguous")
+        seen.add((_tau_str(tau), bs))
         tags[speed_tag(tau, bs, "decoder")] = str(row.get("decoder"))
         for f in SPEED_FIELDS:
-            if isinstance(row.get(f), (int, float)):
+            if isinstance(row.get(f), (int, float)) and not isinstance(row.get(f), bool):
                 tags[speed_tag(tau, bs, f)] = repr(float(row[f]))
     return tags
 
@@ -254,22 +323,26 @@ def _record_speculative(root: Path, client: Any, evaluation: dict[str, Any], spe
         if mv is None:
             continue
         name = SPEC_PREFIX + pair.drafter
-        tags = _params_tag(dvc_stages.lock_entry(root, SPEC_STAGE))
+        served = DecoderSetting.from_tags(mv.tags) or pair.setting  # a version before settings: its draft tags say it
+        tags = _params_tag(dvc_stages.lock_entry(root, SPEC_STAGE)) | ({} if DecoderSetting.from_tags(mv.tags) else served.tags())
         what = []
         if name in evaluation:
-            tags |= _eval_tags(name, pair.checkpoint_md5, evaluation[name])
+            tags |= _eval_tags(name, pair.checkpoint_md5, evaluation[name], served)  # the pair's row drafts as the version (its identity)
             what.append("eval")
-        served = (int(mv.tags.get("draft_len", -1)), int(mv.tags.get("draft_steps", -1)), mv.tags.get("draft_mode", "block"))
-        rows = [r for r in speed_rows if r.get("decoder") == "spec" and r.get("model") == pair.drafter]
-        measured = {(r.get("draft_len"), r.get("draft_steps"), r.get("draft_mode", "block")) for r in rows}
-        if rows and measured != {served}:
-            log.warning("%s version %s drafts %s tokens in %s steps (%s), metrics/speed.json measured %s; speed tags not attached",
-                        SPEC_MODEL, mv.version, *served, sorted(measured))  # fmt: skip
+        drafted = [r for r in speed_rows if r.get("decoder") == "spec" and r.get("model") == pair.drafter]
+        rows = [r for r in drafted if served.matches(r)]
+        if drafted and not rows:
+            measured = sorted({(r.get("draft_len"), r.get("draft_steps"), r.get("draft_mode") or "block") for r in drafted}, key=str)
+            tags["speed.not_attached"] = f"{SPEC_MODEL} version {mv.version} serves {served.label()}, metrics/speed.json measured {measured}"
+            log.warning("%s; speed tags not attached", tags["speed.not_attached"])
         elif rows:
-            tags |= _speed_tags(pair.checkpoint_md5, rows)
-            what.append("speed")
-        for key, value in tags.items():
-            client.set_model_version_tag(SPEC_MODEL, str(mv.version), key, value)
+            try:
+                tags |= _speed_tags(pair.checkpoint_md5, rows, served)
+                what.append("speed")
+            except ValueError as exc:
+                tags["speed.not_attached"] = str(exc)
+                log.warning("%s version %s: %s; speed tags not attached", SPEC_MODEL, mv.version, exc)
+        _write_tags(client, SPEC_MODEL, mv, tags)
         if "eval" in what:
             client.update_model_version(SPEC_MODEL, str(mv.version), description=speculative_description(mv.tags, evaluation[name]))
         done.append({"model": SPEC_MODEL, "version": str(mv.version), "stage": SPEC_STAGE, "tagged": what})
@@ -350,7 +423,7 @@ class Decision:
 
 def _why(g: GateResult) -> str:
     """Why a gate failed: its number, the threshold, the rule and how far short it fell (or the missing number)."""
-    if g.value is not None and g.threshold is not None:
+    if g.value is not None and g.threshold is not None and g.value < g.threshold:
         note = f"; {g.note}" if g.note else ""
         return f"{g.name} {_fmt(g.value)} < {_fmt(g.threshold)} (rule {g.rule}), short by {_fmt(g.threshold - g.value)}{note}"
     return f"{g.name}: {g.note}"
@@ -372,15 +445,19 @@ def judge(tags: dict[str, str], champion_tags: dict[str, str] | None, gates: Mod
     """The gates of a candidate (its version tags) against the champion's tags (None: no champion).
 
     Pure: reads numbers from the tags only. A number that is missing fails its
-    gate with a note saying which tag is missing.
+    gate with a note saying which tag is missing (and why it was not attached, when
+    `record_evaluations` said). Before the numbers, two gates on where they come from
+    (`_evidence_gates`): measured on this version's checkpoint (not `unverified`), and
+    with the decoder setting the version serves.
     """
-    out = []
+    out = _evidence_gates(tags, gates)
+    unattached = f"; {tags['eval.not_attached']}" if tags.get("eval.not_attached") else ""
     for metric in gates.metrics:
         key = eval_tag(gates.split, metric)
         name = f"{metric} ({gates.split})"
         value = _num(tags, key)
         if value is None:
-            out.append(GateResult(name, False, None, None, None, f">= champion - {gates.tolerance:g}", f"not evaluated: no tag {key}"))
+            out.append(GateResult(name, False, None, None, None, f">= champion - {gates.tolerance:g}", f"not evaluated: no tag {key}{unattached}"))
             continue
         if champion_tags is None:
             out.append(GateResult(name, True, value, None, None, "no champion yet", ""))
@@ -393,15 +470,23 @@ def judge(tags: dict[str, str], champion_tags: dict[str, str] | None, gates: Mod
         out.append(GateResult(name, value >= threshold - 1e-12, value, ref, threshold, f">= champion - {gates.tolerance:g}"))
     key = eval_tag(gates.split, "valid_format_rate")
     value = _num(tags, key)
+    # Under the answer grammar every answer is valid by construction: such a rate says nothing of the model.
+    grammar = tags.get("eval.grammar") == "true"
+    if value is None:
+        note = f"not evaluated: no tag {key}{unattached}"
+    elif grammar:
+        note = "measured under the answer grammar (valid by construction); the gate needs the model's own answers (evaluate's headline rows, without a grammar)"
+    else:
+        note = ""
     out.append(
         GateResult(
             f"valid_format_rate ({gates.split})",
-            value is not None and value >= gates.min_valid_format,
+            value is not None and value >= gates.min_valid_format and not grammar,
             value,
             _num(champion_tags or {}, key),
             gates.min_valid_format,
-            f">= {gates.min_valid_format:g}",
-            "" if value is not None else f"not evaluated: no tag {key}",
+            f">= {gates.min_valid_format:g}, without a grammar",
+            note,
         )
     )
     if gates.min_equal_to_gr2 is not None:
@@ -434,9 +519,45 @@ def judge(tags: dict[str, str], champion_tags: dict[str, str] | None, gates: Mod
                 _num(champion_tags or {}, key),
                 s.min_speedup,
                 f">= {s.min_speedup:g}x over AR",
-                "" if value is not None else f"not measured: no tag {key} (metrics/speed.json row for this model at {at})",
+                "" if value is not None else f"not measured: no tag {key} (metrics/speed.json row for this model at {at}"
+                + (f", {tags['decoder.decoder']} setting served" if "decoder.decoder" in tags else "")
+                + (f"; {tags['speed.not_attached']})" if tags.get("speed.not_attached") else ")"),
             )
         )
+    return out
+
+
+def _evidence_gates(tags: dict[str, str], gates: ModelGates) -> list[GateResult]:
+    """Where the numbers come from: `evidence (dvc.lock)`, the eval (and speed) numbers measured on this
+    version's checkpoint hash, never `unverified`; `decoder setting`, measured with the setting the
+    version serves (its `decoder.*` tags, against the sections' `eval.setting` / `speed.setting`)."""
+    sections = [("eval", EVALUATE_METRICS)] + ([("speed", SPEED_METRICS)] if gates.speed is not None else [])
+    present = [(section, file) for section, file in sections if f"{section}.checkpoint_md5" in tags]
+    version_md5 = tags.get("checkpoint_md5")
+    problems = []
+    for section, file in present:
+        measured = tags[f"{section}.checkpoint_md5"]
+        if measured == UNVERIFIED:
+            problems.append(
+                f"the {section} numbers are unverified: dvc.lock does not tie {file} to this version's checkpoint "
+                "(no stage that wrote it lists the checkpoint among its deps), so they may be another model's"
+            )
+        elif measured != version_md5:
+            problems.append(f"the {section} numbers were measured on checkpoint {measured}, the version is {version_md5 or 'untagged'}")
+    out = [GateResult("evidence (dvc.lock)", not problems, None, None, None, "measured on this checkpoint", "; ".join(problems))]
+    served = DecoderSetting.from_tags(tags)
+    if served is None:
+        out.append(GateResult("decoder setting", False, None, None, None, "measured as served",
+                              "the version records no decoder setting (decoder.* tags), so what it serves cannot be matched with what was measured"))  # fmt: skip
+        return out
+    problems = []
+    for section, _ in present:
+        measured_with = tags.get(f"{section}.setting")
+        if measured_with is None:
+            problems.append(f"the {section} numbers do not say which decoder setting they measured (tagged before settings were recorded)")
+        elif measured_with != served.label():
+            problems.append(f"the {section} numbers were measured with {measured_with}; the version serves {served.label()}")
+    out.append(GateResult("decoder setting", not problems, None, None, None, "measured as served", "; ".join(problems) or served.label()))
     return out
 
 

@@ -17,20 +17,21 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+import tempfile
 from collections import Counter
 from collections.abc import Callable, Container, Iterator, Mapping
 from dataclasses import dataclass
 from importlib.metadata import version
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import mlflow
 import mlflow.pyfunc
 import pandas as pd
 from mlflow import MlflowClient
-from pydantic import BaseModel
+from pydantic import BaseModel, model_validator
 
-from tasks.common import Count
+from tasks.common import Count, Unit
 
 log = logging.getLogger("flows.registry")
 
@@ -47,16 +48,18 @@ class ModelStage:
     # Other files the served model needs (name -> path relative to the root).
     extra_artifacts: tuple[tuple[str, str], ...] = ()
     made_by: str = ""  # what the stage did to make this version, for its description in the registry
+    # The kind of decoder its checkpoint serves with (None: not a re-ranker, the retriever).
+    decoder: Literal["ar", "diffusion"] | None = None
 
 
 _RERANKER_FILES = (("items", "data/prepared/items.parquet"), ("format", "data/traces/format.json"))
 MODEL_STAGES: dict[str, ModelStage] = {
     "retrieve": ModelStage("retrieve", "gr2-retriever", "checkpoints/retriever", made_by="SASRec trained with full-softmax cross-entropy, blended with item transitions"),
-    "sft": ModelStage("sft", "gr2", "checkpoints/gr2-sft", _RERANKER_FILES, "supervised fine-tuning on the teacher's reasoning traces"),
-    "ar_rl": ModelStage("ar_rl", "gr2", "checkpoints/gr2", _RERANKER_FILES, "DAPO with the conditional verifiable reward after SFT: this is GR2"),
-    "cft": ModelStage("cft", "diffusion-gr2", "checkpoints/dgr2-cft", _RERANKER_FILES, "conversion fine-tuning of GR2's weights to block diffusion"),
-    "opd": ModelStage("opd", "diffusion-gr2", "checkpoints/dgr2-opd", _RERANKER_FILES, "on-policy distillation from GR2 after CFT"),
-    "rl": ModelStage("rl", "diffusion-gr2", "checkpoints/dgr2", _RERANKER_FILES, "trajectory-level DAPO after OPD: this is Diffusion-GR2"),
+    "sft": ModelStage("sft", "gr2", "checkpoints/gr2-sft", _RERANKER_FILES, "supervised fine-tuning on the teacher's reasoning traces", "ar"),
+    "ar_rl": ModelStage("ar_rl", "gr2", "checkpoints/gr2", _RERANKER_FILES, "DAPO with the conditional verifiable reward after SFT: this is GR2", "ar"),
+    "cft": ModelStage("cft", "diffusion-gr2", "checkpoints/dgr2-cft", _RERANKER_FILES, "conversion fine-tuning of GR2's weights to block diffusion", "diffusion"),
+    "opd": ModelStage("opd", "diffusion-gr2", "checkpoints/dgr2-opd", _RERANKER_FILES, "on-policy distillation from GR2 after CFT", "diffusion"),
+    "rl": ModelStage("rl", "diffusion-gr2", "checkpoints/dgr2", _RERANKER_FILES, "trajectory-level DAPO after OPD: this is Diffusion-GR2", "diffusion"),
 }
 # The registered models' own descriptions (MLflow's registry page shows them first).
 MODEL_DESCRIPTIONS: dict[str, str] = {
@@ -82,7 +85,9 @@ MODEL_DESCRIPTIONS: dict[str, str] = {
 }
 
 
-def version_description(spec: ModelStage, root: Path, checkpoint_md5: str, evaluation: Mapping[str, Any] | None = None) -> str:
+def version_description(
+    spec: ModelStage, root: Path, checkpoint_md5: str, evaluation: Mapping[str, Any] | None = None, setting: DecoderSetting | None = None
+) -> str:
     """A registered version's description: what it is, which stage made it from which checkpoint,
     the stage's headline metrics and, once `evaluate` measured it, its accuracy on the held-out split.
 
@@ -92,6 +97,8 @@ def version_description(spec: ModelStage, root: Path, checkpoint_md5: str, evalu
 
     parts = [f"{spec.model_name} made by stage `{spec.stage}`" + (f" ({spec.made_by})" if spec.made_by else "") + "."]
     parts.append(f"Checkpoint {spec.checkpoint}, DVC md5 {checkpoint_md5}.")
+    if setting is not None:
+        parts.append(f"Served with {setting.label()}.")
     if head := headline_metrics(spec.stage, read_json(root / "metrics" / f"{spec.stage}.json")):
         parts.append(f"Stage metrics: {format_headline(head)}.")
     if sentence := evaluation_sentence(evaluation):
@@ -144,6 +151,174 @@ class RetrieverModel(mlflow.pyfunc.PythonModel):
         k = int((params or {}).get("k", self.spec.k))
         ids, scores = top_k(self.scorer, histories, k)
         return pd.DataFrame({"candidates": ids.tolist(), "scores": scores.tolist()})
+
+
+# ---------------------------------------------------------------------------
+# The decoder setting a version serves with, named once
+
+DECODER_ARTIFACT = "decoder"  # decoder.json among a re-ranker version's artifacts
+DECODER_TAG = "decoder."  # the prefix of the setting's tags on the version
+
+
+class DecoderSetting(BaseModel):
+    """How a registered re-ranker decodes when it is served: the one place a version names it.
+
+    Written once at registration, as the `decoder` artifact (decoder.json, logged with the
+    model: the served pyfunc decodes with it) and as `decoder.<field>` tags (`tags()`: what
+    `flows.promote.record_evaluations` matches the metrics' rows against, so a version's
+    accuracy and speed tags come from rows decoded exactly so). What is gated is what is served.
+
+    decoder: "ar" (GR2's KV-cache loop), "diffusion" (the threshold decoder at `tau`, in
+    sub-blocks of `sub_block_size` or whole blocks, with or without the approximate
+    sub-block cache, the explanation at `explanation_tau` / `explanation_sub_block_size`
+    (None: as the answer), under the answer grammar or not) or "spec" (GR2 verifying
+    `draft_len` tokens drafted in `draft_steps` forwards, `draft_mode`).
+    """
+
+    model_config = {"extra": "forbid", "frozen": True}
+
+    decoder: Literal["ar", "diffusion", "spec"]
+    tau: Unit | None = None
+    sub_block_size: Count | None = None
+    sub_block_cache: bool = False
+    explanation_tau: Unit | None = None
+    explanation_sub_block_size: Count | None = None
+    grammar: bool = False
+    draft_len: Count | None = None
+    draft_steps: Count | None = None
+    draft_mode: Literal["block", "window"] | None = None
+
+    @model_validator(mode="after")
+    def _fields_of_its_decoder(self) -> DecoderSetting:
+        diffusion = ("tau", "sub_block_size", "explanation_tau", "explanation_sub_block_size")
+        spec = ("draft_len", "draft_steps", "draft_mode")
+        if self.decoder == "diffusion" and self.tau is None:
+            raise ValueError("a diffusion setting needs its commit threshold tau")
+        if self.decoder == "spec" and any(getattr(self, f) is None for f in spec):
+            raise ValueError(f"a speculative setting needs {list(spec)}")
+        own = {"ar": (), "diffusion": diffusion, "spec": spec}[self.decoder]
+        stray = [f for f in (*diffusion, *spec) if f not in own and getattr(self, f) is not None]
+        if stray or (self.decoder != "diffusion" and self.sub_block_cache):
+            raise ValueError(f"{stray or ['sub_block_cache']} do not apply to the {self.decoder} decoder")
+        return self
+
+    def tags(self) -> dict[str, str]:
+        """`{"decoder.decoder": "diffusion", "decoder.tau": "0.9", "decoder.sub_block_size": "8", ...}`: every field."""
+        return {DECODER_TAG + k: _tag_value(v) for k, v in self.model_dump().items()}
+
+    @classmethod
+    def from_tags(cls, tags: Mapping[str, str]) -> DecoderSetting | None:
+        """The setting a version's `decoder.*` tags record; None for a version registered before them."""
+        found = {k[len(DECODER_TAG) :]: v for k, v in tags.items() if k.startswith(DECODER_TAG)}
+        if "decoder" not in found:
+            return None
+        return cls.model_validate({k: _parse_tag_value(v) for k, v in found.items() if k in cls.model_fields})
+
+    def label(self) -> str:
+        """The setting in words, e.g. `diffusion: tau 0.9, sub-blocks of 8, explanation as the answer, no grammar`."""
+        grammar = "under the answer grammar" if self.grammar else "no grammar"
+        if self.decoder == "ar":
+            return f"ar: GR2's KV-cache loop, {grammar}"
+        if self.decoder == "spec":
+            return f"spec: {self.draft_len} tokens drafted in {self.draft_steps} drafter forwards ({self.draft_mode}), GR2 verifying, {grammar}"
+        parts = [f"tau {self.tau:g}", f"sub-blocks of {self.sub_block_size}" if self.sub_block_size else "whole blocks"]
+        if self.sub_block_cache:
+            parts.append("the approximate sub-block cache")
+        if self.explanation_tau is None and self.explanation_sub_block_size is None:
+            parts.append("explanation as the answer")
+        else:
+            parts.append(f"explanation at tau {self.explanation_tau if self.explanation_tau is not None else self.tau:g}"
+                         + (f" in sub-blocks of {self.explanation_sub_block_size}" if self.explanation_sub_block_size else ""))  # fmt: skip
+        parts.append(grammar)
+        return "diffusion: " + ", ".join(parts)
+
+    def matches(self, row: Mapping[str, Any]) -> bool:
+        """Whether a metrics/speed.json row decoded with exactly this setting (an AR setting: our loop's row)."""
+        if self.decoder == "ar":
+            return row.get("decoder") == "ar" and not row.get("grammar") and not self.grammar
+        if row.get("decoder") != self.decoder:
+            return False
+        if self.decoder == "spec":
+            return (row.get("draft_len"), row.get("draft_steps"), row.get("draft_mode") or "block") == (self.draft_len, self.draft_steps, self.draft_mode)
+        # Rows written before the `grammar` field: a grammar row is the one with a grammar_changed_rate.
+        grammar = row.get("grammar", row.get("grammar_changed_rate") is not None)
+        return (
+            _same(row.get("tau"), self.tau) and row.get("sub_block_size") == self.sub_block_size
+            and bool(row.get("sub_block_cache")) == self.sub_block_cache
+            and _same(row.get("explanation_tau"), self.explanation_tau)
+            and row.get("explanation_sub_block_size") == self.explanation_sub_block_size
+            and bool(grammar) == self.grammar
+        )  # fmt: skip
+
+
+def _tag_value(value: Any) -> str:
+    if value is None:
+        return "none"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return repr(float(value)) if isinstance(value, float) else str(value)
+
+
+def _parse_tag_value(text: str) -> Any:
+    if text in ("none", "true", "false"):
+        return {"none": None, "true": True, "false": False}[text]
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal thresholds (None only equals None); floats compared as floats (0.9 from YAML and from a tag)."""
+    if a is None or b is None:
+        return a is b
+    return abs(float(a) - float(b)) < 1e-9
+
+
+def legacy_setting(is_diffusion: bool) -> DecoderSetting:
+    """The setting of a version registered before settings were recorded: what its pyfunc decoded with
+    (a diffusion checkpoint: whole blocks at tau 0.9, the request default; no grammar)."""
+    return DecoderSetting(decoder="diffusion", tau=0.9) if is_diffusion else DecoderSetting(decoder="ar")
+
+
+def evaluate_setting(section: Mapping[str, Any] | None) -> DecoderSetting:
+    """The setting of evaluate's headline diffusion rows, from its params section (dvc.lock's or
+    params.yaml's `evaluate`; absent keys take EvaluateConfig's defaults): `tau`, `sub_block_size`,
+    `sub_block_cache`, the explanation as the answer, no grammar (the `+grammar` rows are extras)."""
+    from tasks.evaluate import EvaluateConfig
+
+    fields = EvaluateConfig.model_fields
+    get = lambda key: (section or {}).get(key, fields[key].default)  # noqa: E731
+    return DecoderSetting(decoder="diffusion", tau=get("tau"), sub_block_size=get("sub_block_size"), sub_block_cache=bool(get("sub_block_cache")))
+
+
+def served_setting(spec: ModelStage, root: Path) -> DecoderSetting | None:
+    """The setting a stage's model is registered to serve: GR2's AR loop, or for a diffusion model
+    evaluate's accuracy-table setting in `<root>/params.yaml` (the rows its gates read); None for the retriever."""
+    from tasks.common import read_params
+
+    if spec.decoder != "diffusion":
+        return None if spec.decoder is None else DecoderSetting(decoder="ar")
+    path = root / "params.yaml"
+    return evaluate_setting(read_params(path).get("evaluate") if path.exists() else None)
+
+
+def version_setting(tags: Mapping[str, str], spec: ModelStage) -> DecoderSetting | None:
+    """The setting a registered version of a stage's model serves: its `decoder.*` tags, else the legacy one."""
+    if spec.decoder is None:
+        return None
+    return DecoderSetting.from_tags(tags) or legacy_setting(spec.decoder == "diffusion")
+
+
+def load_decoder_setting(path: str | None, is_diffusion: bool) -> DecoderSetting:
+    """The served pyfunc's setting: its `decoder` artifact, else (a version before settings) the legacy one."""
+    import json
+
+    if not path:
+        return legacy_setting(is_diffusion)
+    return DecoderSetting.model_validate(json.loads(Path(path).read_text()))
 
 
 class ServeLimits(BaseModel):
@@ -342,24 +517,34 @@ def validate_rerank_input(
     return histories, candidate_lists
 
 
-def rerank_params(params: dict[str, Any] | None, limits: ServeLimits | None = None) -> dict[str, Any]:
+def rerank_params(params: dict[str, Any] | None, limits: ServeLimits | None = None, setting: DecoderSetting | None = None) -> dict[str, Any]:
     """The decoding params of a re-ranking request, checked: `max_new_tokens` (1..limits.max_new_tokens,
-    default 320 or the cap if lower) and `tau` (the diffusion commit threshold, in (0, 1], default 0.9)."""
+    default 320 or the cap if lower) and `tau` (the diffusion commit threshold, in (0, 1], default 0.9).
+
+    setting: the version's decoder setting. A diffusion version decodes at its own `tau` (the one
+    its gates judged), so a request may send that tau or none; another is refused, not served.
+    """
     cap = (limits or ServeLimits()).max_new_tokens
     params = dict(params or {})
     problems = [f"params: unknown key '{k}' (expected max_new_tokens, tau)" for k in params if k not in ("max_new_tokens", "tau")]
     max_new = params.get("max_new_tokens", min(320, cap))
     if isinstance(max_new, bool) or not isinstance(max_new, int) or not 1 <= max_new <= cap:
         problems.append(f"params: max_new_tokens must be an integer in 1..{cap}, got {max_new!r}")
-    tau = params.get("tau", 0.9)
+    served = setting.tau if setting is not None and setting.decoder == "diffusion" else None
+    tau = params.get("tau", 0.9 if served is None else served)
     if isinstance(tau, bool) or not isinstance(tau, (int, float)) or not 0.0 < float(tau) <= 1.0:
         problems.append(f"params: tau must be a number in (0, 1], got {tau!r}")
+    elif served is not None and not _same(tau, served):
+        problems.append(
+            f"params: tau {tau!r}: this version serves tau {served:g} ({setting.label()}), the setting its "
+            "promotion gates judged; send that tau or none (another setting is another version)"
+        )
     if problems:
         raise _bad_request(problems)
     return {"max_new_tokens": int(max_new), "tau": float(tau)}
 
 
-def reranker_log_kwargs(root: Path) -> dict[str, Any]:
+def reranker_log_kwargs(root: Path, setting: DecoderSetting | None = None) -> dict[str, Any]:
     """`log_model` arguments of a re-ranker besides its artifacts.
 
     - model_config: the number of candidates it was trained to rank (the length
@@ -380,16 +565,21 @@ def reranker_log_kwargs(root: Path) -> dict[str, Any]:
         lengths = pl.read_parquet(path, columns=["candidates"])["candidates"].list.len()
         if len(lengths):
             config["num_candidates"] = int(lengths.max())
-    # MLflow fills a missing param with its default, so the default must be within the cap.
-    params = ParamSchema([ParamSpec("max_new_tokens", "long", min(320, config["max_new_tokens"])), ParamSpec("tau", "double", 0.9)])
+    # MLflow fills a missing param with its default, so the default must be within the cap, and a
+    # diffusion version's tau default is its own (any other is refused: `rerank_params`).
+    tau = setting.tau if setting is not None and setting.decoder == "diffusion" and setting.tau is not None else 0.9
+    params = ParamSchema([ParamSpec("max_new_tokens", "long", min(320, config["max_new_tokens"])), ParamSpec("tau", "double", float(tau))])
     return {"model_config": config, "signature": ModelSignature(inputs=None, outputs=None, params=params)}
 
 
 class GR2Model(mlflow.pyfunc.PythonModel):
     """Serves a re-ranker, AR or block diffusion: input `history` and `candidates` (item-id lists), output the ranking.
 
-    A block-diffusion checkpoint decodes with the threshold decoder at the
-    params' `tau` (default 0.9), an AR one with the KV-cache AR loop.
+    It decodes with the version's decoder setting (`DecoderSetting`, its `decoder`
+    artifact): an AR checkpoint with the KV-cache AR loop, a block-diffusion one with the
+    threshold decoder at the setting's tau, sub-blocks and cache, with or without the
+    grammar, exactly as the rows its promotion gates read were decoded. A version
+    registered before settings were recorded decodes whole blocks at tau 0.9.
 
     Output columns: `ranking` (the parsed ranking, or the incoming order when the
     answer was invalid), `explanation`, `valid` (whether the raw answer was a
@@ -409,6 +599,12 @@ class GR2Model(mlflow.pyfunc.PythonModel):
         self.fmt = FormatConfig(**json.loads(Path(context.artifacts["format"]).read_text()))
         self.num_candidates = (context.model_config or {}).get("num_candidates")
         self.limits = ServeLimits.from_model_config(context.model_config)
+        is_diffusion = getattr(self.model.config, "block_size", None) is not None
+        self.setting = load_decoder_setting((context.artifacts or {}).get(DECODER_ARTIFACT), is_diffusion)
+        if (self.setting.decoder == "diffusion") != is_diffusion:
+            raise ValueError(f"the `checkpoint` artifact is {'a block-diffusion' if is_diffusion else 'an AR'} model; its decoder setting is {self.setting.label()}")
+        if self.setting.decoder == "diffusion":
+            GR2Model.decoding(self, {})  # a sub-block size the block does not divide fails at load, not at a request
 
     def predict(self, context: Any, model_input: pd.DataFrame, params: dict[str, Any] | None = None) -> pd.DataFrame:
         import polars as pl
@@ -418,11 +614,14 @@ class GR2Model(mlflow.pyfunc.PythonModel):
         # Validate everything before decoding: a bad request is a 400 naming the row and field.
         histories, candidates = validate_rerank_input(model_input, self.items, self.num_candidates, self.limits)
         evidence = validate_rerank_evidence(model_input, candidates, len(self.fmt.evidence))
-        params = rerank_params(params, self.limits)
+        params = rerank_params(params, self.limits, self.setting)
         lists = pl.DataFrame({"history": histories, "candidates": candidates}, schema={"history": pl.List(pl.Int64), "candidates": pl.List(pl.Int64)})
         if evidence is not None:
             lists = lists.with_columns(pl.Series("evidence", evidence, dtype=pl.List(pl.List(pl.Int8))))
-        out = lm_rerank(self.model, self.tok, lists, self.items, self.fmt, max_new_tokens=params["max_new_tokens"], **self.decoding(params))
+        out = lm_rerank(
+            self.model, self.tok, lists, self.items, self.fmt, max_new_tokens=params["max_new_tokens"], constrained=self.setting.grammar,
+            **self.decoding(params),
+        )  # fmt: skip
         return pd.DataFrame(
             {
                 "ranking": [p.ranking for p in out.parsed],
@@ -433,11 +632,17 @@ class GR2Model(mlflow.pyfunc.PythonModel):
         )
 
     def decoding(self, params: dict[str, Any]) -> dict[str, Any]:
-        """The `lm_rerank` decoder arguments for a checked request's params (`rerank_params`):
-        the checkpoint's own decoder (KV-cache AR loop, or the threshold decoder at `tau`)."""
+        """The `lm_rerank` decoder arguments: the version's setting (the request's params cannot change it;
+        `rerank_params` refuses another tau)."""
         from gr2model.rerank_eval import decoder_kwargs
 
-        return decoder_kwargs(self.model, params["tau"])
+        s = self.setting
+        if s.decoder == "ar":
+            return {}
+        return decoder_kwargs(
+            self.model, float(s.tau), sub_block_size=s.sub_block_size, explanation_threshold=s.explanation_tau,
+            explanation_sub_block_size=s.explanation_sub_block_size, sub_block_cache=s.sub_block_cache,
+        )  # fmt: skip
 
 
 class SpeculativeGR2Model(GR2Model):
@@ -472,6 +677,10 @@ class SpeculativeGR2Model(GR2Model):
             raise ValueError("the drafter's tokenizer differs from GR2's; it must be a diffusion model converted from this GR2")
         self.draft_len, self.draft_steps = int(config["draft_len"]), int(config["draft_steps"])
         self.draft_mode = str(config.get("draft_mode", "block"))  # versions before the window drafter: blocks
+        drafting = DecoderSetting(decoder="spec", draft_len=self.draft_len, draft_steps=self.draft_steps, draft_mode=self.draft_mode)
+        if self.setting.decoder == "spec" and self.setting != drafting:
+            raise ValueError(f"the decoder artifact says {self.setting.label()}, model_config {drafting.label()}")
+        self.setting = drafting  # a version before settings were recorded has only its model_config
 
     def decoding(self, params: dict[str, Any]) -> dict[str, Any]:
         """Speculative decoding; a fresh drafter state per request (the drafter's cache is per call)."""
@@ -496,9 +705,15 @@ def find_version(
 ) -> Any | None:
     """The registered version made from this checkpoint hash (and with these setting tags), if any."""
     query = f"name = '{model_name}' and tag.checkpoint_md5 = '{checkpoint_md5}'"
-    query += "".join(f" and tag.{key} = '{value}'" for key, value in (settings or {}).items())
+    query += "".join(f" and tag.`{key}` = '{value}'" for key, value in (settings or {}).items())  # keys with dots need backticks
     found = client.search_model_versions(query)
     return found[0] if found else None
+
+
+def find_versions(client: MlflowClient, model_name: str, checkpoint_md5: str) -> list[Any]:
+    """Every registered version made from this checkpoint hash (one per decoder setting it serves), oldest first."""
+    found = client.search_model_versions(f"name = '{model_name}' and tag.checkpoint_md5 = '{checkpoint_md5}'")
+    return sorted(found, key=lambda mv: int(mv.version))
 
 
 @contextlib.contextmanager
@@ -532,20 +747,36 @@ def register_checkpoint(
     """Register `spec.checkpoint` as a new version of `spec.model_name` unless its hash already is.
 
     Returns (version, created). A new version gets the tags, the stage tag and the
-    alias `challenger`.
+    alias `challenger`. A re-ranker's version also records the decoder setting it serves
+    (`served_setting`: the `decoder` artifact and `decoder.*` tags); for a diffusion model the
+    setting is part of its identity with the hash.
     """
     python_model = PYFUNC_CLASSES[spec.model_name]()
-    return _register(
-        spec.model_name,
-        spec.stage,
-        python_model,
-        {"checkpoint": str(root / spec.checkpoint), **{name: str(root / path) for name, path in spec.extra_artifacts}},
-        reranker_log_kwargs(root) if isinstance(python_model, GR2Model) else {},
-        checkpoint_md5,
-        run_id,
-        tags,
-        lambda: version_description(spec, root, checkpoint_md5),
-    )
+    setting = served_setting(spec, root)
+    artifacts = {"checkpoint": str(root / spec.checkpoint), **{name: str(root / path) for name, path in spec.extra_artifacts}}
+    with tempfile.TemporaryDirectory(prefix="gr2-decoder-") as tmp:
+        if setting is not None:
+            artifacts[DECODER_ARTIFACT] = _write_setting(setting, Path(tmp))
+        return _register(
+            spec.model_name,
+            spec.stage,
+            python_model,
+            artifacts,
+            reranker_log_kwargs(root, setting) if isinstance(python_model, GR2Model) else {},
+            checkpoint_md5,
+            run_id,
+            {**tags, **(setting.tags() if setting is not None else {})},
+            lambda: version_description(spec, root, checkpoint_md5, setting=setting),
+            # A diffusion checkpoint served at another setting is another version (its numbers differ).
+            settings=setting.tags() if setting is not None and setting.decoder == "diffusion" else None,
+        )
+
+
+def _write_setting(setting: DecoderSetting, folder: Path) -> str:
+    """decoder.json in `folder` (the `decoder` artifact: log_model copies it into the version)."""
+    path = folder / "decoder.json"
+    path.write_text(setting.model_dump_json(indent=2) + "\n")
+    return str(path)
 
 
 def _register(
@@ -618,6 +849,11 @@ class SpeculativePair:
     def checkpoint_md5(self) -> str:
         """The version's checkpoints: the pair of hashes."""
         return f"{self.verifier_md5}+{self.drafter_md5}"
+
+    @property
+    def setting(self) -> DecoderSetting:
+        """The decoder setting the version serves with (`DecoderSetting`, recorded on it)."""
+        return DecoderSetting(decoder="spec", draft_len=self.draft_len, draft_steps=self.draft_steps, draft_mode=self.draft_mode)  # type: ignore[arg-type]
 
     @property
     def settings(self) -> dict[str, str]:
@@ -707,21 +943,24 @@ def register_speculative(pair: SpeculativePair, root: Path, run_id: str, tags: d
     (`speculative_lineage`). Returns (version, created).
     """
     lineage = speculative_lineage(MlflowClient(), pair)
-    log_kwargs = reranker_log_kwargs(root)
+    setting = pair.setting
+    log_kwargs = reranker_log_kwargs(root, setting)
     log_kwargs["model_config"] |= {"draft_len": pair.draft_len, "draft_steps": pair.draft_steps, "draft_mode": pair.draft_mode}
-    return _register(
-        SPEC_MODEL,
-        SPEC_STAGE,
-        SpeculativeGR2Model(),
-        {
-            "checkpoint": str(root / VERIFIER.checkpoint),
-            "drafter": str(root / MODEL_STAGES[pair.drafter_stage].checkpoint),
-            **{name: str(root / path) for name, path in VERIFIER.extra_artifacts},
-        },
-        log_kwargs,
-        pair.checkpoint_md5,
-        run_id,
-        {**tags, **lineage},
-        lambda: speculative_description(lineage),
-        settings=pair.settings,
-    )
+    with tempfile.TemporaryDirectory(prefix="gr2-decoder-") as tmp:
+        return _register(
+            SPEC_MODEL,
+            SPEC_STAGE,
+            SpeculativeGR2Model(),
+            {
+                "checkpoint": str(root / VERIFIER.checkpoint),
+                "drafter": str(root / MODEL_STAGES[pair.drafter_stage].checkpoint),
+                **{name: str(root / path) for name, path in VERIFIER.extra_artifacts},
+                DECODER_ARTIFACT: _write_setting(setting, Path(tmp)),
+            },
+            log_kwargs,
+            pair.checkpoint_md5,
+            run_id,
+            {**tags, **lineage, **setting.tags()},
+            lambda: speculative_description(lineage),
+            settings=pair.settings,
+        )

@@ -115,9 +115,12 @@ def test_served_champion_ranks_real_requests(served: dict[str, Any]) -> None:
         assert isinstance(pred["valid"], bool) and isinstance(pred["explanation"], str)
     # the other JSON layout (columns) gives the same kind of answer
     cols = {k: [v] for k, v in rows[0].items()}
-    status, body = _post(f"{served['url']}/invocations", {"inputs": cols, "params": {"max_new_tokens": 8, "tau": 0.5}})
+    status, body = _post(f"{served['url']}/invocations", {"inputs": cols, "params": {"max_new_tokens": 8, "tau": 0.9}})
     assert status == 200, body
     assert sorted(body["predictions"][0]["ranking"]) == sorted(rows[0]["candidates"])
+    if served["name"] == "diffusion-gr2":  # it decodes at its registered setting (evaluate's tau 0.9), no other
+        status, body = _post(f"{served['url']}/invocations", {"inputs": cols, "params": {"max_new_tokens": 8, "tau": 0.5}})
+        assert status == 400 and "this version serves tau 0.9" in body["message"], body
 
 
 def _bad_requests(served: dict[str, Any]) -> dict[str, tuple[Any, str]]:
