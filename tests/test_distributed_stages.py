@@ -4,7 +4,7 @@
 (the command dvc.yaml runs, with the launcher from the environment) against plain
 `python -m tasks.<stage>` in a copy of the same workspace:
 
-- `sft`: the checkpoint's weights agree to 1e-5 (measured max difference 4.4e-7
+- `sft` (slow): the checkpoint's weights agree to 1e-5 (measured max difference 4.4e-7
   after 15 steps: two processes sum the gradient in another order, and each
   part of a global batch is padded to its own longest example) and every
   non-timing metric to 1e-5 relative;
@@ -106,6 +106,7 @@ def no_leftovers(ws: Path) -> None:
     assert not left, left
 
 
+@pytest.mark.slow  # ~35 s; the library's two-process SFT test (tests/test_sft.py) and the trajectories stage's launch run by default
 def test_sft_stage_on_two_processes_equals_one_process(tmp_path: Path) -> None:
     one = sft_workspace(tmp_path / "one")
     two = run_on_one_and_two(one, "sft")
@@ -241,6 +242,7 @@ def test_ar_rl_stage_on_two_processes_equals_one_process(tmp_path: Path) -> None
 
 
 @pytest.mark.slow  # the smoke pipeline (shared fixture) plus ~45 s
+@pytest.mark.integration  # reads the shared smoke run
 def test_evaluate_accuracy_rows_on_two_processes_equal_one_process(smoke_run: dict, tmp_path: Path) -> None:
     """`evaluate` on the smoke pipeline's checkpoints, decoding in batches of 4 (3 per split, so
     the two processes share them): every non-timing number of metrics/evaluate.json is equal."""
@@ -263,6 +265,7 @@ def test_evaluate_accuracy_rows_on_two_processes_equal_one_process(smoke_run: di
     assert {k: a.get(k) for k in keys} == {k: b.get(k) for k in keys}
 
 
+@pytest.mark.integration  # reads the shared smoke run's MLflow store
 def test_stage_runs_and_registered_versions_record_the_launcher(smoke_run: dict) -> None:
     """The smoke pipeline ran every stage in one process: the distributed stages' runs say so
     (`runtime.launch` python, 1 process), the single-process ones carry no launcher, and the

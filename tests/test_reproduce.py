@@ -197,6 +197,7 @@ def test_sft_model_reproduces_bit_for_bit(smoke_run: dict[str, Any]) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.integration  # reads the shared smoke run
 def test_diffusion_model_reproduces_bit_for_bit(smoke_run: dict[str, Any]) -> None:
     """The whole chain to the diffusion model (RL sampling, trajectories, CFT included), by alias."""
     from mlflow import MlflowClient
