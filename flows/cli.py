@@ -59,13 +59,18 @@ def _project_root(args: argparse.Namespace, needs: str, hint: str) -> Path | Non
 
 def cmd_run(args: argparse.Namespace) -> int:
     from flows.console import setup_run_logging
-    from flows.pipeline import pipeline
+    from flows.pipeline import check_params, pipeline
     from flows.prefect_api import temporary_api
     from tasks.common import ParamsError
     from tasks.tracking import configure
 
     root = _project_root(args, "dvc.yaml", "run from the project root or pass --root")
     if root is None:
+        return 2
+    try:
+        check_params(root)  # every stage's params before the first stage starts; nothing is written yet
+    except ParamsError as exc:
+        print(f"error: {exc}\nnothing was run; fix {root / 'params.yaml'} and run again", file=sys.stderr)
         return 2
     configure(root)
     if args.launch is not None:

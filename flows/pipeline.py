@@ -29,6 +29,75 @@ from tasks.report import REPORT_HTML, log_stage_figures, report_markdown, stage_
 from tasks.tracking import close_stale_runs, configure, experiment_id, flatten, git_lineage, metric_key, owner_tags
 
 
+def check_params(root: Path) -> None:
+    """Every section of `<root>/params.yaml` the pipeline reads, and the rules across fields and stages,
+    checked before any stage starts: a bad value fails now, naming the file and the field, not hours in,
+    at the start (or in the middle) of the stage that reads it. Reads only; writes nothing.
+
+    Each stage's section is validated into its `tasks.<stage>.CONFIG` (bounds, and the rules inside a
+    section such as traces' `unlabelled_lists` needing mode `distill`), as the stage itself will;
+    `resume`, `serve` and `promote` likewise; then the rules between stages (`_cross_stage_problems`).
+
+    Raises:
+        ParamsError: every problem found, one per line.
+    """
+    import importlib
+
+    from flows.promote import load_promote_config
+    from flows.registry import load_serve_limits
+    from tasks.common import STAGES, ParamsError, load_resume_config, load_stage_config, read_params
+
+    path = root / "params.yaml"
+    read_params(path)  # a missing or malformed file is one clear line
+    problems: list[str] = []
+    configs: dict[str, Any] = {}
+    for stage in STAGES:
+        try:
+            configs[stage] = load_stage_config(stage, importlib.import_module(f"tasks.{stage}").CONFIG, path)
+        except ParamsError as exc:
+            problems.append(str(exc))
+    for load in (lambda: load_resume_config(path), lambda: load_serve_limits(root), lambda: load_promote_config(root)):
+        try:
+            load()
+        except ParamsError as exc:
+            problems.append(str(exc))
+    problems += _cross_stage_problems(path, configs)
+    if problems:
+        raise ParamsError("\n".join(problems))
+
+
+def _cross_stage_problems(path: Path, configs: dict[str, Any]) -> list[str]:
+    """The rules between stages' params that no one section can check, each a line naming both fields.
+
+    - Sub-block sizes (evaluate's accuracy rows and explanation, OPD's and RL's rollouts) must divide
+      the block size CFT gives the diffusion checkpoints (`cft.train.block_size`); otherwise the stage
+      would fail at its first decode (`gr2model.rerank_eval.decoder_kwargs`).
+    - The bench's cached sub-block rows need their size among the bench's sub-block rows (which
+      always include `evaluate.sub_block_size`, the served setting); otherwise `decode_benchmark`
+      would fail at the end of evaluate.
+    """
+    problems = []
+    cft, evaluate = configs.get("cft"), configs.get("evaluate")
+    block = getattr(getattr(cft, "train", None), "block_size", None)
+    if block is not None:
+        sizes = {}
+        if evaluate is not None:
+            sizes["evaluate.sub_block_size"] = evaluate.sub_block_size
+            sizes["evaluate.explanation_sub_block_size"] = evaluate.explanation_sub_block_size
+        for stage in ("opd", "rl"):
+            if (cfg := configs.get(stage)) is not None:
+                sizes[f"{stage}.train.sub_block_size"] = getattr(cfg.train, "sub_block_size", None)
+        for field, size in sizes.items():
+            if size is not None and block % size:
+                problems.append(f"{path}: {field}: {size} does not divide cft.train.block_size {block} (the diffusion checkpoints' block)")
+    if evaluate is not None:
+        bench = evaluate.bench
+        rows = set(bench.sub_block_sizes) | ({evaluate.sub_block_size} if evaluate.sub_block_size is not None else set())
+        if missing := sorted(set(bench.sub_block_cache_sizes) - rows):
+            problems.append(f"{path}: evaluate.bench.sub_block_cache_sizes: {missing} not among evaluate.bench.sub_block_sizes {list(bench.sub_block_sizes)}")
+    return problems
+
+
 def _read_metrics(root: Path, stage: str) -> dict[str, Any]:
     path = root / "metrics" / f"{stage}.json"
     return json.loads(path.read_text()) if path.exists() else {}
@@ -238,6 +307,7 @@ def pipeline(root: str = ".", stages: list[str] | None = None, force: bool = Fal
 
     logger = get_run_logger()
     rootp = Path(root).resolve()
+    check_params(rootp)  # before any stage, run or file: a bad value names params.yaml and its field
     os.environ["GR2_ROOT"] = str(rootp)
     configure(rootp)
     order = dvc_stages.stage_order(rootp)
