@@ -10,17 +10,21 @@ Evidence lives on the registered versions as tags, so a decision can be read
   promotion) adds the params hash of the stage, the evaluation metrics of that
   checkpoint (`eval.<split>.<metric>`, from metrics/evaluate.json) and, for a
   diffusion model, its decode speed (`speed.tau_<tau>.bs_<b>.<field>`, from
-  metrics/speed.json). Numbers are only attached to a version when dvc.lock says
-  they were measured on that version's checkpoint hash (or cannot say at all,
-  which is then recorded as `unverified`). The speculative `spec-gr2` gets its
-  `spec-<drafter>` row (with `equal_to_gr2_rate`) and the bench's speculative
-  rows (`speed.tau_none.bs_<b>.<field>`).
+  metrics/speed.json), all from rows of the version's own decoder setting (its
+  `decoder.*` tags, `flows.registry.DecoderSetting`: what it is served with).
+  Numbers are only attached to a version when dvc.lock says they were measured
+  on that version's checkpoint hash (or cannot say at all, which is then
+  recorded as `unverified`, and refused by `judge`). The speculative `spec-gr2`
+  gets its `spec-<drafter>` row (with `equal_to_gr2_rate`) and the bench's
+  speculative rows of its drafting setting (`speed.tau_none.bs_<b>.<field>`).
 
-`promote` judges the version against the current champion (gates: no worse on
-the configured metrics beyond a tolerance, valid-format rate at least a floor,
-and for diffusion models a decode speed-up floor at a given tau and batch
-size; for `spec-gr2` answers equal to GR2's on every evaluated example and a
-speed-up floor of its own), then commits under a per-model lock: re-read the champion, refuse if it
+`promote` judges the version against the current champion (gates: the numbers
+measured on this checkpoint and with the served setting; no worse on the
+configured metrics beyond a tolerance, valid-format rate of the model's own
+answers (no grammar) at least a floor, and for diffusion models a decode
+speed-up floor (time per example) at a given tau and batch size; for `spec-gr2`
+answers equal to GR2's on every evaluated example and a speed-up floor of its
+own), then commits under a per-model lock: re-read the champion, refuse if it
 changed since the judgement (compare-and-set), move the alias, read it back,
 and record the decision and its numbers as tags on the version. MLflow has no
 compare-and-set on aliases, so the lock (an fcntl lock file next to the SQLite
