@@ -213,7 +213,7 @@ def cmd_bench_decode(args: argparse.Namespace) -> int:
     cfg = load_stage_config(STAGE, CONFIG, root / "params.yaml")
     overrides = {k: v for k, v in (
         ("taus", args.tau), ("batch_sizes", args.batch_size), ("examples", args.examples),
-        ("spec_draft_mode", args.draft_mode), ("spec_draft_len", args.draft_len),
+        ("spec_draft_mode", args.draft_mode), ("spec_draft_len", args.draft_len), ("repeats", args.repeats),
     ) if v}  # fmt: skip
     if args.sub_block_cache:
         overrides["sub_block_cache_sizes"] = args.sub_block_cache
@@ -437,6 +437,7 @@ def build_parser() -> argparse.ArgumentParser:
     bd.add_argument("--tau", type=float, action="append", help="commit threshold (repeatable; default: params evaluate.bench.taus)")
     bd.add_argument("--batch-size", type=int, action="append", help="batch size (repeatable; default: params)")
     bd.add_argument("--examples", type=int, default=None, help="first N test re-ranking examples (default: params)")
+    bd.add_argument("--repeats", type=int, default=None, help="timed passes per row after the warm-up; the median is reported (default: params, 3)")
     bd.add_argument("--draft-mode", choices=["block", "window"], default=None, help="speculative drafting on the drafter's blocks or in a window (default: params)")
     bd.add_argument("--draft-len", type=int, default=None, help="tokens drafted per round (default: params)")
     bd.add_argument("--sub-block-cache", type=int, action="append", metavar="S", help="also decode the sub-block-S rows with the approximate sub-block cache (repeatable; default: params evaluate.bench.sub_block_cache_sizes)")

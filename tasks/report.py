@@ -131,6 +131,8 @@ def setting_label(row: Mapping[str, Any]) -> str:
         parts.append(f"explanation {row['explanation_tau']}")
     if row.get("explanation_sub_block_size") is not None:
         parts.append(f"explanation sub-block {row['explanation_sub_block_size']}")
+    if row.get("grammar"):  # a constrained bench also holds the served setting's plain twin
+        parts.append("answer grammar")
     if row.get("every_example_recall@1_vs_gr2") is not None:
         parts.append("judged on every example")
     return ", ".join(parts)
