@@ -1,4 +1,5 @@
-"""Shared fixtures: the shared data set, quiet tool settings, no MLflow unless a test asks."""
+"""Shared fixtures: the shared data set, quiet tool settings, no MLflow unless a test asks, and the
+raw-id model and prompts of the decoders' tests (`model`, `prompts`)."""
 
 from __future__ import annotations
 
@@ -31,6 +32,26 @@ def _one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def model() -> torch.nn.Module:
+    """The raw-id decoder model of the decoders' tests (`tiny.random_model`: DECODER over VOCAB ids,
+    seed 0, scale 0.3), one per module. It is also the block-diffusion model of the diffusion
+    tests: conversion is a weight copy (tests/test_block_diffusion.py), and the decoders pass
+    their own masks. A module that needs another model defines its own `model`."""
+    from tiny import random_model
+
+    return random_model()
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    """The raw-id prompts of the decoders' tests (`tiny.random_ids`: lengths 3, 11, 1, 7, 16, so
+    batches are left-padded and ragged), one list per module."""
+    from tiny import random_ids
+
+    return random_ids()
 
 
 @pytest.fixture(scope="session")

@@ -7,19 +7,9 @@ import torch
 
 from gr2model.ar_decode import DecodeOutput, ar_generate, hf_generate, left_pad
 
-from tiny import EOS, PAD, random_ids, random_model
+from tiny import EOS, NO_EOS, PAD
 
-NO_EOS = -1  # an id no token has: rows run to max_new_tokens
-
-
-@pytest.fixture(scope="module")
-def model() -> torch.nn.Module:
-    return random_model()
-
-
-@pytest.fixture(scope="module")
-def prompts() -> list[list[int]]:
-    return random_ids()
+# `model` and `prompts`: the raw-id fixtures of tests/conftest.py.
 
 
 def test_left_pad() -> None:

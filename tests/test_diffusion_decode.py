@@ -13,26 +13,14 @@ from gr2model.block_diffusion import block_causal_mask
 import gr2model.diffusion_decode as dd
 from gr2model.diffusion_decode import DiffusionDecodeOutput, commit_mask, diffusion_generate, propose
 
-from tiny import EOS, PAD, VOCAB, random_ids, random_model
+from tiny import EOS, NO_EOS, PAD, VOCAB
 
-NO_EOS = -1  # an id no token has: rows run to max_new_tokens
+# `model` and `prompts`: the raw-id fixtures of tests/conftest.py.
 NEW = 20
 # On this random model the top probabilities are mostly 0.05-0.4: 0.3 commits
 # several tokens in some steps and one in others, and rows progress unevenly
 # (every kind of cached step occurs, see test_cached_equals_recompute).
 MIXED = 0.3
-
-
-@pytest.fixture(scope="module")
-def model() -> torch.nn.Module:
-    # The AR model itself: conversion is a weight copy (tested in
-    # test_block_diffusion), and the decoder passes its own masks.
-    return random_model()
-
-
-@pytest.fixture(scope="module")
-def prompts() -> list[list[int]]:
-    return random_ids()
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,9 @@ from gr2model.diffusion_replay import (
 )
 from gr2model.sft import IGNORE_INDEX
 
-from tiny import PAD, random_ids, random_model
+from tiny import PAD
+
+# `model` and `prompts`: the raw-id fixtures of tests/conftest.py.
 
 MASK = 4  # a token greedy AR decoding never writes with this model (B = 1 parity with AR)
 NEW = 18  # not a multiple of 4: the last block has slots past max_new_tokens
@@ -29,16 +31,6 @@ NEW = 18  # not a multiple of 4: the last block has slots past max_new_tokens
 # tokens, 56 tokens in 11 forwards, and 6 tokens after an eos were committed before
 # it (cut tails). Asserted below, so a change of model that loses them is noticed.
 THRESHOLD, STOP = 0.2, 29
-
-
-@pytest.fixture(scope="module")
-def model() -> torch.nn.Module:
-    return random_model()
-
-
-@pytest.fixture(scope="module")
-def prompts() -> list[list[int]]:
-    return random_ids()
 
 
 def decode(model, prompts, **kw):

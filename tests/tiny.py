@@ -4,7 +4,8 @@ Imported as `tiny` (pytest puts tests/ on sys.path: the test files are not in a 
 
 Three setups:
 - raw ids (the decoders' tests): a model over VOCAB ids with PAD, BOS, EOS = 0, 1, 2 and no
-  tokenizer (`random_model`, `random_ids`);
+  tokenizer (`random_model`, `random_ids`; as module fixtures `model` and `prompts` in
+  conftest.py);
 - the format's tokenizer over one item (the RL and distillation tests): `one_item_tokenizer`,
   `tiny_model`, `random_prompts`;
 - the toy re-ranking task over 4 items (the SFT and CFT tests): `toy_tokenizer`, `toy_items`,
@@ -65,6 +66,7 @@ def tiny_model(tok, seed: int = 0, scale: float | None = None, config: ARModelCo
 
 VOCAB = 40
 PAD, BOS, EOS = 0, 1, 2
+NO_EOS = -1  # an id no token has: rows run to max_new_tokens
 LENGTHS = [3, 11, 1, 7, 16]
 
 
