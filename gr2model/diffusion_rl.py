@@ -79,7 +79,7 @@ __all__ = ["DiffusionRLConfig", "DiffusionRLResult", "train_diffusion_rl"]
 @dataclass(frozen=True)
 class DiffusionRLConfig(DAPOConfig):
     """Knobs of diffusion RL: DAPOConfig's (group_size G = 8, clip 0.2 on both sides
-    by default, as the issue asks; clip_high > clip_low is DAPO's clip-higher), plus
+    by default, the symmetric PPO clip; clip_high > clip_low is DAPO's clip-higher), plus
 
     threshold: the decoder's commit threshold for the rollouts (as at inference).
     sub_block_size: the decoder's sub-block size for the rollouts (None: whole

@@ -1,4 +1,5 @@
-"""`gr2 bench serve` (issue 16): a bounded load test of a served re-ranker on loopback.
+"""`gr2 bench serve`: a bounded load test of a served re-ranker on loopback (it must answer every
+request, good or bad, correctly and within its limits under concurrent load).
 
 The checker runs against a stand-in re-ranker (a pyfunc that validates requests
 with the real `validate_rerank_input` and caps, and ranks without a language
@@ -78,7 +79,7 @@ def test_load_test_passes_on_a_sound_server_and_fails_on_wrong_rankings(tmp_path
 @pytest.mark.slow
 @pytest.mark.integration
 def test_bench_serve_on_the_smoke_champion(smoke_run: dict[str, Any], tmp_path: Path) -> None:
-    """The issue's load test: 400 requests, 8 at a time, 20% malformed or oversized, against the smoke champion."""
+    """The documented load test (docs/operations.md): 400 requests, 8 at a time, 20% malformed or oversized, against the smoke champion."""
     from mlflow import MlflowClient
 
     from flows.promote import ModelGates, PromoteConfig, promote

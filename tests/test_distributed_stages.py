@@ -1,4 +1,5 @@
-"""Stages under a launcher (issue 14), through the stage command, on CPU processes (gloo).
+"""Stages under a launcher (so a stage runs on several processes or GPUs as it does on one),
+through the stage command, on CPU processes (gloo).
 
 `GR2_LAUNCH="accelerate launch --multi_gpu --num_processes 2" python -m tasks.<stage>`
 (the command dvc.yaml runs, with the launcher from the environment) against plain

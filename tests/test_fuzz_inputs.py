@@ -1,4 +1,5 @@
-"""Property-based tests (hypothesis) of what comes from outside (issue 16): answers, requests, data files.
+"""Property-based tests (hypothesis) of what comes from outside, which must be refused with a clear
+error rather than crash: answers, requests, data files.
 
 - `parse_response`: never raises on any text; round-trips with `build_response`;
   rejects every duplicate, drop and out-of-set id (falling back to the incoming order).

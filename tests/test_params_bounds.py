@@ -1,4 +1,5 @@
-"""Every numeric param carries its valid range (issue 16): a bad value fails at load, naming the dotted field.
+"""Every numeric param carries its valid range, so a bad value fails at load, naming the dotted field,
+instead of deep inside a stage.
 
 BOUNDS below is the spec: the valid range of every numeric field of every stage's
 config, written out once. `test_bounds_cover_every_numeric_field` walks the config
@@ -389,7 +390,7 @@ def test_bad_param_exits_2_before_the_mlflow_run(
 
 
 def test_negative_lr_fails_in_the_stage_process_with_tracking_on(tmp_path: Path) -> None:
-    """The issue's case: `retrieve.train.lr: -1` once ended in a torch traceback deep in training."""
+    """The case that motivated the bounds: `retrieve.train.lr: -1` once ended in a torch traceback deep in training."""
     (tmp_path / "params.yaml").write_text(yaml.safe_dump({"retrieve": with_value("retrieve", "retrieve.train.lr", -1)}))
     env = {k: v for k, v in os.environ.items() if k not in ("GR2_TRACKING", "MLFLOW_RUN_ID")}
     env.update(MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path / 'mlflow.db'}", GR2_ROOT=str(tmp_path), OMP_NUM_THREADS="1")

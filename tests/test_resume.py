@@ -1,4 +1,4 @@
-"""Resumable training (issue 16): a training process killed with SIGKILL and started again
+"""Resumable training (a long run survives being killed): a training process killed with SIGKILL and started again
 resumes from its last saved state and ends with the weights and metrics of a run that was
 never stopped, bit for bit on a CPU; the Checkpointer saves when due, atomically, and keeps
 only the newest state."""

@@ -1,4 +1,5 @@
-"""Resumable stages (issue 16), through the real stage entry point: `python -m tasks.sft`
+"""Resumable stages (a killed stage loses at most the steps since its last saved state), through the
+real stage entry point: `python -m tasks.sft`
 and `python -m tasks.retrieve` killed with SIGKILL right after a saved state resume on
 rerun, say so, end with the checkpoint and metrics of an uninterrupted run, and remove
 their states; a rerun with other params or inputs starts fresh and says why."""

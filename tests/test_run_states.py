@@ -1,4 +1,5 @@
-"""Honest run states (issue 16): what a dead `gr2 run` leaves behind is found and closed by the next one.
+"""Honest run states (no run shown as running after its process died): what a dead `gr2 run` leaves
+behind is found and closed by the next one.
 
 - MLflow runs left RUNNING by a process that is gone end as KILLED; runs whose
   owner still runs, runs of another host or workspace, and runs that name no
