@@ -514,26 +514,38 @@ def train_opd(
         # ----------------------------------------------------------- metrics
         lengths = [t.length for t in trajs]
         truncated = sum(1 for t in trajs if not t.response or t.response[-1] != eos_id)
-        keys = sorted({k for ks in gather_object([sorted(info_sums)]) for k in ks})
-        local = [
-            float(len(trajs)), float(sum(lengths)), float(truncated), float(forwards), float(committed),
-            *kl_sums[0], *kl_sums[-1], *replay, sum(rewards), float(len(rewards)),
-        ]
-        for k in keys:
-            local += info_sums.get(k, [0.0, 0.0])
-        tot = global_sum(local)
-        n = max(tot[0], 1.0)
+        info_keys = sorted({k for ks in gather_object([sorted(info_sums)]) for k in ks})
+        local = {
+            "rollouts": float(len(trajs)),
+            "response_tokens": float(sum(lengths)),
+            "truncated": float(truncated),
+            "forwards": float(forwards),
+            "committed": float(committed),
+            "kl_sum": kl_sums[0][0],
+            "kl_tokens": kl_sums[0][1],
+            "kl_last_pass_sum": kl_sums[-1][0],
+            "kl_last_pass_tokens": kl_sums[-1][1],
+            "canvases": replay[0],
+            "replay_rows": replay[1],
+            "replay_columns": replay[2],
+            "reward_sum": sum(rewards),
+            "rewards": float(len(rewards)),
+        }
+        for k in info_keys:  # the same sorted keys on every process, so the same order
+            local[f"info_sum:{k}"], local[f"info_count:{k}"] = info_sums.get(k, [0.0, 0.0])
+        tot = _sum_by_name(global_sum, local)
+        n = max(tot["rollouts"], 1.0)
         metrics: dict[str, float] = {
             "step": float(step + 1),
-            "kl": tot[5] / max(tot[6], 1.0),
-            "kl_last_pass": tot[7] / max(tot[8], 1.0),
-            "response_length": tot[1] / n,
-            "truncated_rate": tot[2] / n,
+            "kl": tot["kl_sum"] / max(tot["kl_tokens"], 1.0),
+            "kl_last_pass": tot["kl_last_pass_sum"] / max(tot["kl_last_pass_tokens"], 1.0),
+            "response_length": tot["response_tokens"] / n,
+            "truncated_rate": tot["truncated"] / n,
             # Per rollout (each forward commits >= 1 token of every row it carries).
-            "tokens_per_forward": tot[4] / max(tot[3], 1.0),
-            "canvases_per_rollout": tot[9] / n,
-            "replay_rows": tot[10],
-            "replay_columns": tot[11],
+            "tokens_per_forward": tot["committed"] / max(tot["forwards"], 1.0),
+            "canvases_per_rollout": tot["canvases"] / n,
+            "replay_rows": tot["replay_rows"],
+            "replay_columns": tot["replay_columns"],
             "grad_norm": sum(grad_norms) / len(grad_norms) if grad_norms else 0.0,
             "lr": float(optimizer.param_groups[0]["lr"]),
             "rollout_s": rollout_s,
@@ -541,9 +553,9 @@ def train_opd(
             "update_s": update_s,
         }
         if reward_fn is not None:
-            metrics["reward_mean"] = tot[12] / max(tot[13], 1.0)
-        for j, k in enumerate(keys):
-            s, c = tot[14 + 2 * j], tot[15 + 2 * j]
+            metrics["reward_mean"] = tot["reward_sum"] / max(tot["rewards"], 1.0)
+        for k in info_keys:
+            s, c = tot[f"info_sum:{k}"], tot[f"info_count:{k}"]
             metrics[k if k not in metrics else f"info_{k}"] = s / c if c > 0 else 0.0
         if accelerator.is_main_process:
             history.append(metrics)
@@ -554,6 +566,16 @@ def train_opd(
             checkpointer.step_done(step + 1, final=step + 1 == cfg.steps)
     bar.close()
     return OPDResult(model=run.finish(), history=history)
+
+
+def _sum_by_name(global_sum: Callable[[list[float]], list[float]], local: dict[str, float]) -> dict[str, float]:
+    """Each value of `local` summed over processes, by name, in one all-reduce.
+
+    The values travel as one (len(local),) float64 tensor in the dict's order, so every
+    process must pass the same names in the same order (build the dict the same way on
+    each); the sums come back under their names, never by position."""
+    names = list(local)
+    return dict(zip(names, global_sum([local[k] for k in names]), strict=True))
 
 
 def _vocab_of(model: torch.nn.Module) -> int:
