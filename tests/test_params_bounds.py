@@ -143,6 +143,7 @@ BOUNDS: dict[str, dict[str, B]] = {
         "taus": F(ge=0, le=1, listed=True), "batch_sizes": I(ge=1, listed=True), "examples": COUNT,
         "explanation_taus": F(ge=0, le=1, listed=True), "explanation_sub_block_size": I(ge=1, optional=True),
         "sub_block_sizes": I(ge=1, listed=True), "sub_block_cache_sizes": I(ge=1, listed=True), "spec_draft_len": COUNT, "spec_steps": COUNT,
+        "repeats": COUNT,
     },
 }
 FIELDS: dict[str, B] = {f"{owner}.{name}": b for owner, fields in BOUNDS.items() for name, b in fields.items()}
