@@ -125,7 +125,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from gr2model.ar_decode import DecodeOutput, RowGenerators, _left_pad_positions, left_pad, sample_rows, select_rows
 from gr2model.block_diffusion import block_diffusion_mask
-from gr2model.constrained import ResponseGrammar, check_grammar, constrained_proposals
+from gr2model.constrained import GrammarState, ResponseGrammar, check_grammar, constrained_proposals
 
 __all__ = ["DiffusionDecodeOutput", "check_sub_block_size", "commit_mask", "propose", "diffusion_generate"]
 
@@ -628,6 +628,366 @@ class _RecomputeForward:
         ).logits
 
 
+@dataclass
+class _Blocks:
+    """How a decode splits its blocks, fixed for the whole decode.
+
+    block_size: B. sub: the sub-block size S of every block (None: whole blocks).
+    split: whether the explanation's blocks (those holding no answer position, from
+    `first_expl_block`, (batch,) long response indices) use another size: answer_sub
+    in the answer's blocks, expl_sub in the others. cache: `sub_block_cache`.
+    ar: (B,) long, 0..B-1.
+    """
+
+    block_size: int
+    sub: int | None
+    split: bool
+    answer_sub: int
+    expl_sub: int
+    first_expl_block: torch.Tensor | None
+    cache: bool
+    ar: torch.Tensor
+
+
+@dataclass
+class _Rows:
+    """The state of the N rows still decoding (N shrinks as rows finish; `keep`).
+
+    resp: (N, span) long, the response so far (mask_id where not committed).
+    step_of: (N, span) long, the step that committed each position (-1: not yet).
+    logp_of: (N, span) float32, each committed position's log-prob; None without return_logprobs.
+    start: (N,) long, the active block's first response index.
+    plen: (N,) long, the prompt length.
+    rows: (N,) long, each row's index in the batch.
+    generator: the rows' random streams (`sample_rows`).
+    """
+
+    resp: torch.Tensor
+    step_of: torch.Tensor
+    logp_of: torch.Tensor | None
+    start: torch.Tensor
+    plen: torch.Tensor
+    rows: torch.Tensor
+    generator: RowGenerators
+
+    def keep(self, alive: torch.Tensor, alive_list: list[int]) -> None:
+        """Keep only the rows `alive` ((n,) long indices, and the same as a list)."""
+        self.resp, self.step_of, self.start = self.resp[alive], self.step_of[alive], self.start[alive]
+        self.plen, self.rows = self.plen[alive], self.rows[alive]
+        self.generator = select_rows(self.generator, alive_list)
+        if self.logp_of is not None:
+            self.logp_of = self.logp_of[alive]
+
+
+@dataclass
+class _Done:
+    """What the finished rows leave, by batch row (`batch` rows, `span` response slots).
+
+    tokens, steps: (batch, span) long, a finished row's whole response buffer and commit
+    steps (pad_id / -1 until it finishes). logp: (batch, span) float32, or None.
+    lengths: each row's sequence length. changed: (batch,) bool, the rows the grammar changed.
+    """
+
+    tokens: torch.Tensor
+    steps: torch.Tensor
+    logp: torch.Tensor | None
+    lengths: list[int]
+    changed: torch.Tensor
+
+
+@dataclass
+class _Window:
+    """One step's view of the N active blocks, taken before the forward (which does not change it).
+
+    cols: (N, B) long, the active block's response indices. old_tok, old_step: (N, B) long,
+    its tokens and commit steps. committed, in_limit: (N, B) bool. open_: (N, B) bool, the
+    positions this step may commit (masked, within max_new_tokens, not after a committed
+    eos; in a step mixing sub-block sizes, only inside each row's current sub-block).
+    win: (N, W) long ascending block positions whose logits the step computes, or None
+    for the whole block (W = B). sub: with the sub-block cache, each row's current
+    sub-block as ((N,) offset, (N,) size) in block positions; else None.
+    """
+
+    cols: torch.Tensor
+    old_tok: torch.Tensor
+    old_step: torch.Tensor
+    committed: torch.Tensor
+    in_limit: torch.Tensor
+    open_: torch.Tensor
+    win: torch.Tensor | None
+    sub: tuple[torch.Tensor, torch.Tensor] | None
+
+
+@dataclass
+class _Proposal:
+    """One step's proposals at the W window positions of the N active blocks.
+
+    tokens: (N, W) long. conf: (N, W) float32, each proposal's confidence. logp: (N, W)
+    float32, its log-prob under the raw logits (None without return_logprobs). With a
+    grammar: free, (N, W) bool, whether the proposal is the model's own argmax; where,
+    (N, W) long, the positions' response indices (clamped below max_new_tokens); gstate,
+    the grammar's state of the committed tokens. All three None without one.
+    """
+
+    tokens: torch.Tensor
+    conf: torch.Tensor
+    logp: torch.Tensor | None
+    free: torch.Tensor | None
+    where: torch.Tensor | None
+    gstate: GrammarState | None
+
+
+def _check_args(
+    block_size: int, sub_block_size: int | None, grammar: ResponseGrammar | None, rows: int, max_new_tokens: int,
+    temperature: float, explanation_threshold: float | None, explanation_sub_block_size: int | None,
+    sub_block_cache: bool, use_cache: bool,
+) -> None:
+    """Raise ValueError for arguments `diffusion_generate` cannot decode with, before any work."""
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    check_sub_block_size(block_size, sub_block_size)
+    check_grammar(grammar, rows, max_new_tokens, temperature)
+    if (explanation_threshold is not None or explanation_sub_block_size is not None) and grammar is None:
+        raise ValueError("explanation_threshold and explanation_sub_block_size need a grammar: it is what knows where the answer ends")
+    check_sub_block_size(block_size, explanation_sub_block_size)
+    if sub_block_cache and not use_cache:
+        raise ValueError("sub_block_cache is a cache: it needs use_cache=True")
+
+
+def _empty_output(batch: int, start_time: float, return_trace: bool, return_logprobs: bool) -> DiffusionDecodeOutput:
+    """The output of a decode of no new tokens: `batch` empty rows, no forward."""
+    empty: list[list[int]] = [[] for _ in range(batch)]
+    steps0 = [[] for _ in range(batch)] if return_trace else None
+    lp0 = [[] for _ in range(batch)] if return_logprobs else None
+    lp0_tail = [[] for _ in range(batch)] if return_logprobs and return_trace else None
+    return DiffusionDecodeOutput(
+        empty, 0, 0, time.perf_counter() - start_time, logprobs=lp0, steps=steps0,
+        tail_tokens=[[] for _ in range(batch)] if return_trace else None, tail_steps=steps0, tail_logprobs=lp0_tail,
+    )
+
+
+def _plan_blocks(
+    block_size: int, sub_block_size: int | None, explanation_sub_block_size: int | None,
+    grammar: ResponseGrammar | None, sub_block_cache: bool, device: torch.device,
+) -> _Blocks:
+    """The decode's `_Blocks`. Explanation blocks may have their own sub-block size (split):
+    a step whose rows are all in blocks of one kind (always at batch 1) uses that kind's
+    size; a step mixing them computes the whole block's logits, and each row's window
+    (of its block's size) restricts its commits (`_window`)."""
+    bsz = block_size
+    sub = sub_block_size
+    split = explanation_sub_block_size is not None and explanation_sub_block_size != (sub or bsz)
+    answer_sub = expl_sub = sub or bsz
+    first_expl_block = None
+    if split:
+        assert grammar is not None and explanation_sub_block_size is not None
+        expl_sub = explanation_sub_block_size
+        first_expl_block = (grammar.template_len + bsz - 1) // bsz * bsz  # (N,) first block start past the answer
+    return _Blocks(bsz, sub, split, answer_sub, expl_sub, first_expl_block, sub_block_cache, torch.arange(bsz, device=device))
+
+
+def _window(st: _Rows, blocks: _Blocks, eos_id: int, max_new_tokens: int, greedy: bool) -> _Window:
+    """Step 1: the active blocks' state, which positions may be committed, and whose logits are needed.
+
+    The (N, B) tensors of `_Window` from `st`; `win` is the current sub-block (N, S) when
+    the step decodes sub-blocks smaller than B, and, for a lone greedy row, only its open
+    positions of that window (1, W).
+    """
+    bsz, ar = blocks.block_size, blocks.ar
+    cols = st.start[:, None] + ar
+    old_tok, old_step = st.resp.gather(1, cols), st.step_of.gather(1, cols)
+    committed = old_step >= 0
+    # Earlier blocks are complete and eos-free (else the row would be done),
+    # so a committed eos can only be in the active block.
+    after_eos = (committed & (old_tok == eos_id)).cumsum(1) > 0
+    in_limit = cols < max_new_tokens
+    open_ = ~committed & in_limit & ~after_eos  # (N, B) positions that may be committed
+    step_sub = blocks.sub
+    size = None
+    if blocks.split:
+        assert blocks.first_expl_block is not None
+        size = torch.where(st.start >= blocks.first_expl_block[st.rows], blocks.expl_sub, blocks.answer_sub)
+        sizes = set(size.tolist())
+        if len(sizes) == 1:
+            step_sub = sizes.pop()
+        else:
+            step_sub = None
+            lo = open_.long().argmax(1) // size * size
+            open_ = open_ & (ar >= lo[:, None]) & (ar < (lo + size)[:, None])
+    sub = None
+    if blocks.cache:
+        # Each row's current sub-block (offset, size), whole blocks included (size B).
+        sizes_t = size if step_sub is None and size is not None else torch.full_like(st.start, step_sub or bsz)
+        sub = (open_.long().argmax(1) // sizes_t * sizes_t, sizes_t)
+    win = None
+    if step_sub is not None and step_sub != bsz:
+        # Each row's current sub-block: the leftmost with an open position.
+        # Every active row has one (else it would be done or in its next
+        # block), and a just-started block is at sub-block 0.
+        off = open_.long().argmax(1) // step_sub * step_sub
+        win = off[:, None] + ar[:step_sub]  # (N, S) block positions of the window
+    if open_.shape[0] == 1 and greedy:
+        # One row, greedy: only its open positions of the window need logits
+        # (a committed one is never proposed again), so the LM head, the
+        # grammar and the proposals cost the open positions alone; the
+        # choices are the same. (Sampling keeps whole windows: one draw per
+        # window position is what makes a row's samples independent of the
+        # rows beside it, `sample_rows`.)
+        win = (ar if win is None else win[0]).masked_select(open_[0] if win is None else open_[0, win[0]])[None]
+    return _Window(cols, old_tok, old_step, committed, in_limit, open_, win, sub)
+
+
+def _propose_step(
+    logits: torch.Tensor, w: _Window, st: _Rows, grammar: ResponseGrammar | None, temperature: float, mask_id: int,
+    max_new_tokens: int,
+) -> _Proposal:
+    """Step 3: a token and its confidence for each of the (N, W, V) `logits`' positions.
+
+    Without a grammar `propose` (argmax or one draw per position); with one the most
+    likely allowed token (`constrained_proposals`). `logits` is modified in place (the
+    mask column is banned), so the log-partition for the log-probs is taken first.
+    """
+    # Before `propose`, which bans the mask column in place: the raw log-partition.
+    lse = torch.logsumexp(logits.float(), dim=-1) if st.logp_of is not None else None
+    free = where = gstate = None
+    if grammar is None:
+        # One (N, W, V) draw per step on both paths, so sampling draws alike.
+        tokens, conf = propose(logits, temperature, st.generator, mask_id)
+    else:
+        # Response positions of the window (a last block's positions past the
+        # limit are never open: any valid index will do).
+        where = w.cols if w.win is None else st.start[:, None] + w.win
+        where = where.clamp(max=max_new_tokens - 1)
+        gstate = grammar.state(st.rows, st.resp, st.step_of >= 0)
+        tokens, conf, free = constrained_proposals(logits, grammar.allowed(gstate, where), mask_id)
+    logp = None
+    if lse is not None:
+        logp = logits.gather(-1, tokens[..., None]).squeeze(-1).float() - lse
+    return _Proposal(tokens, conf, logp, free, where, gstate)
+
+
+def _commit(
+    w: _Window, p: _Proposal, st: _Rows, step: int, threshold: float, explanation_threshold: float | None,
+    grammar: ResponseGrammar | None, changed: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step 4: choose the proposals to commit (`commit_mask`, then the grammar's consistency)
+    and write them into `st` (resp, step_of = `step`, logp_of). `changed` ((batch,) bool)
+    gains the rows whose commits the grammar changed.
+
+    Returns (new_tok, committed), both (N, B): the active blocks' tokens and which
+    positions are committed after this step.
+    """
+    open_w = w.open_ if w.win is None else w.open_.gather(1, w.win)
+    thr: float | torch.Tensor = threshold
+    if explanation_threshold is not None:
+        assert grammar is not None and p.where is not None
+        thr = torch.where(grammar.past_template(st.rows, p.where), explanation_threshold, threshold)
+    chosen_w = commit_mask(p.conf, open_w, thr)
+    if grammar is not None:
+        assert p.free is not None and p.gstate is not None and p.where is not None
+        kept = grammar.consistent(p.gstate, chosen_w, p.tokens, p.conf, p.where)
+        # Changed: a commit that is not the model's own choice, or a pick held back.
+        changed[st.rows] |= (kept & ~p.free).any(1) | (chosen_w & ~kept).any(1)
+        chosen_w = kept
+    tokens, tok_logp = p.tokens, p.logp
+    if w.win is None:
+        chosen = chosen_w
+    else:
+        # Back to block positions (outside the window nothing is chosen, so
+        # the zeros put in tokens and log-probs there are never read).
+        chosen = torch.zeros_like(w.open_).scatter_(1, w.win, chosen_w)
+        tokens = torch.zeros_like(w.cols).scatter_(1, w.win, tokens)
+        if tok_logp is not None:
+            tok_logp = tok_logp.new_zeros(w.cols.shape).scatter_(1, w.win, tok_logp)
+    new_tok = torch.where(chosen, tokens, w.old_tok)
+    committed = w.committed | chosen
+    st.resp.scatter_(1, w.cols, new_tok)
+    st.step_of.scatter_(1, w.cols, torch.where(chosen, step, w.old_step))
+    if st.logp_of is not None:
+        assert tok_logp is not None
+        st.logp_of.scatter_(1, w.cols, torch.where(chosen, tok_logp, st.logp_of.gather(1, w.cols)))
+    return new_tok, committed
+
+
+def _retire(
+    new_tok: torch.Tensor, committed: torch.Tensor, w: _Window, st: _Rows, done_rows: _Done,
+    forward: _CachedForward | _RecomputeForward, eos_id: int, block_size: int, max_new_tokens: int,
+) -> tuple[torch.Tensor, list[bool]] | None:
+    """Step 5: move rows that completed their block to the next one, and rows that are done out of the batch.
+
+    A row is done when it has committed an eos and every position before it, or all of
+    its first `max_new_tokens` positions; its buffers go to `done_rows` and it leaves
+    `st` and `forward`. Returns the next forward's (ctx (N',) bool, the same as a list):
+    the remaining rows that just completed a block; None when no row is left.
+    """
+    bsz = block_size
+    is_eos = committed & (new_tok == eos_id)
+    after_eos = is_eos.cumsum(1) > 0
+    done_eos = is_eos.any(1) & (committed | after_eos).all(1)
+    done_limit = (committed | ~w.in_limit).all(1) & (st.start + bsz >= max_new_tokens)
+    done = done_eos | done_limit
+    complete = committed.all(1) & ~done
+    length = torch.where(done_eos, st.start + is_eos.long().argmax(1) + 1, max_new_tokens)
+    # One device -> host transfer per step.
+    done_list, complete_list, length_list = torch.stack([done.long(), complete.long(), length]).tolist()
+
+    st.start = st.start + bsz * complete.long()
+    if any(done_list):
+        fin = done.nonzero().squeeze(-1)
+        done_rows.tokens[st.rows[fin]] = st.resp[fin]
+        done_rows.steps[st.rows[fin]] = st.step_of[fin]
+        if st.logp_of is not None:
+            assert done_rows.logp is not None
+            done_rows.logp[st.rows[fin]] = st.logp_of[fin]
+        for r, d, n in zip(st.rows.tolist(), done_list, length_list):
+            if d:
+                done_rows.lengths[r] = n
+        alive_list = [i for i, d in enumerate(done_list) if not d]
+        if not alive_list:
+            return None
+        alive = torch.tensor(alive_list, dtype=torch.long, device=complete.device)
+        st.keep(alive, alive_list)
+        complete = complete[alive]
+        complete_list = [complete_list[i] for i in alive_list]
+        forward.select(alive, alive_list)
+    return complete, [bool(c) for c in complete_list]
+
+
+def _output(
+    done_rows: _Done, nfe: int, block_size: int, start_time: float, return_trace: bool, constrained: bool
+) -> DiffusionDecodeOutput:
+    """The decode's output from what its finished rows left: each row cut at its length, and
+    with the trace the rest of its last block (the response buffer of a finished row holds
+    mask_id where never committed)."""
+    lengths, batch = done_rows.lengths, len(done_rows.lengths)
+    tokens_all = done_rows.tokens.tolist()
+    sequences = [tokens_all[i][: lengths[i]] for i in range(batch)]
+    ends = [math.ceil(n / block_size) * block_size for n in lengths]
+    steps = tail_tokens = tail_steps = logprobs = tail_logprobs = None
+    if return_trace:
+        steps_all = done_rows.steps.tolist()
+        steps = [steps_all[i][: lengths[i]] for i in range(batch)]
+        tail_tokens = [tokens_all[i][lengths[i] : ends[i]] for i in range(batch)]
+        tail_steps = [steps_all[i][lengths[i] : ends[i]] for i in range(batch)]
+    if done_rows.logp is not None:
+        lp_all = done_rows.logp.tolist()
+        logprobs = [lp_all[i][: lengths[i]] for i in range(batch)]
+        if return_trace:
+            tail_logprobs = [lp_all[i][lengths[i] : ends[i]] for i in range(batch)]
+    return DiffusionDecodeOutput(
+        sequences=sequences,
+        nfe=nfe,
+        generated_tokens=sum(lengths),
+        seconds=time.perf_counter() - start_time,
+        logprobs=logprobs,
+        steps=steps,
+        tail_tokens=tail_tokens,
+        tail_steps=tail_steps,
+        tail_logprobs=tail_logprobs,
+        constrained=done_rows.changed.tolist() if constrained else None,
+    )
+
+
 @torch.inference_mode()
 def diffusion_generate(
     model: PreTrainedModel,
@@ -717,226 +1077,71 @@ def diffusion_generate(
             block until the next sub-block starts. A row's tokens still do not
             depend on the rows beside it. `gr2model.diffusion_replay` does not
             rebuild these steps (it replays exact canvases). Needs use_cache.
+    Each step of the loop: `_window` (which positions of each row's active
+    block may be committed and whose logits are needed), the forward
+    (`_CachedForward` or `_RecomputeForward`), `_propose_step` (a token and its
+    confidence per position, under the grammar if any), `_commit` (the
+    threshold rule and the grammar's consistency, written into the rows'
+    state), `_retire` (rows that completed a block move to the next, rows that
+    are done leave the batch).
+
     Returns:
         DiffusionDecodeOutput: sequences, nfe (every forward, the prefill
         included), generated_tokens, seconds, steps and tails with
         return_trace, logprobs with return_logprobs.
     """
     start_time = time.perf_counter()
-    if block_size < 1:
-        raise ValueError(f"block_size must be >= 1, got {block_size}")
-    check_sub_block_size(block_size, sub_block_size)
-    check_grammar(grammar, len(prompts), max_new_tokens, temperature)
-    if (explanation_threshold is not None or explanation_sub_block_size is not None) and grammar is None:
-        raise ValueError("explanation_threshold and explanation_sub_block_size need a grammar: it is what knows where the answer ends")
-    check_sub_block_size(block_size, explanation_sub_block_size)
-    if sub_block_cache and not use_cache:
-        raise ValueError("sub_block_cache is a cache: it needs use_cache=True")
+    _check_args(
+        block_size, sub_block_size, grammar, len(prompts), max_new_tokens, temperature, explanation_threshold,
+        explanation_sub_block_size, sub_block_cache, use_cache,
+    )
     device = next(model.parameters()).device
     ids, attn = left_pad(prompts, pad_id, device)
     batch = ids.shape[0]
     if max_new_tokens <= 0:
-        empty: list[list[int]] = [[] for _ in range(batch)]
-        steps0 = [[] for _ in range(batch)] if return_trace else None
-        lp0 = [[] for _ in range(batch)] if return_logprobs else None
-        lp0_tail = [[] for _ in range(batch)] if return_logprobs and return_trace else None
-        return DiffusionDecodeOutput(
-            empty, 0, 0, time.perf_counter() - start_time, logprobs=lp0, steps=steps0,
-            tail_tokens=[[] for _ in range(batch)] if return_trace else None, tail_steps=steps0, tail_logprobs=lp0_tail,
-        )
+        return _empty_output(batch, start_time, return_trace, return_logprobs)
     bsz = block_size
     span = math.ceil(max_new_tokens / bsz) * bsz
-
-    # The sub-block size of each step (None: whole blocks). Explanation blocks may have
-    # their own (split_sub): a step whose rows are all in blocks of one kind (always at
-    # batch 1) uses that kind's size; a step mixing them computes the whole block's
-    # logits, and each row's window (of its block's size) restricts its commits.
-    sub = sub_block_size
-    split_sub = explanation_sub_block_size is not None and explanation_sub_block_size != (sub or bsz)
-    if split_sub:
-        assert grammar is not None and explanation_sub_block_size is not None
-        answer_sub, expl_sub = sub or bsz, explanation_sub_block_size
-        first_expl_block = (grammar.template_len + bsz - 1) // bsz * bsz  # (N,) first block start past the answer
+    blocks = _plan_blocks(bsz, sub_block_size, explanation_sub_block_size, grammar, sub_block_cache, device)
     forward: _CachedForward | _RecomputeForward
     if use_cache:
         forward = _CachedForward(model, ids, attn, bsz, span, mask_id, sub_block_cache)
     else:
         forward = _RecomputeForward(model, ids, attn, bsz)
-    # Per active row: the response so far (mask_id where not committed), the
-    # step that committed each position (-1: not yet), the active block's first
-    # response index, the prompt length.
-    resp = torch.full((batch, span), mask_id, dtype=torch.long, device=device)
-    step_of = torch.full((batch, span), -1, dtype=torch.long, device=device)
-    start = torch.zeros(batch, dtype=torch.long, device=device)
-    plen = attn.sum(-1)
-    rows = torch.arange(batch, device=device)  # original index of each active row
-    out_tokens = torch.full((batch, span), pad_id, dtype=torch.long, device=device)
-    out_steps = torch.full((batch, span), -1, dtype=torch.long, device=device)
-    logp_of = out_logp = None
-    if return_logprobs:
-        logp_of = torch.zeros((batch, span), dtype=torch.float32, device=device)
-        out_logp = torch.zeros((batch, span), dtype=torch.float32, device=device)
-    lengths = [0] * batch
-    ar = torch.arange(bsz, device=device)
-    changed = torch.zeros(batch, dtype=torch.bool, device=device)
+    st = _Rows(
+        resp=torch.full((batch, span), mask_id, dtype=torch.long, device=device),
+        step_of=torch.full((batch, span), -1, dtype=torch.long, device=device),
+        logp_of=torch.zeros((batch, span), dtype=torch.float32, device=device) if return_logprobs else None,
+        start=torch.zeros(batch, dtype=torch.long, device=device),
+        plen=attn.sum(-1),
+        rows=torch.arange(batch, device=device),
+        generator=generator,
+    )
+    done_rows = _Done(
+        tokens=torch.full((batch, span), pad_id, dtype=torch.long, device=device),
+        steps=torch.full((batch, span), -1, dtype=torch.long, device=device),
+        logp=torch.zeros((batch, span), dtype=torch.float32, device=device) if return_logprobs else None,
+        lengths=[0] * batch,
+        changed=torch.zeros(batch, dtype=torch.bool, device=device),
+    )
 
     ctx: torch.Tensor | None = None  # None: the next forward is the prefill
     ctx_list: list[bool] | None = None
     nfe = 0
     while True:
-        # The active blocks' state before this step (the forward does not change it).
-        cols = start[:, None] + ar
-        old_tok, old_step = resp.gather(1, cols), step_of.gather(1, cols)
-        committed = old_step >= 0
-        # Earlier blocks are complete and eos-free (else the row would be done),
-        # so a committed eos can only be in the active block.
-        after_eos = (committed & (old_tok == eos_id)).cumsum(1) > 0
-        in_limit = cols < max_new_tokens
-        open_ = ~committed & in_limit & ~after_eos  # (N, B) positions that may be committed
-        step_sub = sub
-        if split_sub:
-            size = torch.where(start >= first_expl_block[rows], expl_sub, answer_sub)
-            sizes = set(size.tolist())
-            if len(sizes) == 1:
-                step_sub = sizes.pop()
-            else:
-                step_sub = None
-                lo = open_.long().argmax(1) // size * size
-                open_ = open_ & (ar >= lo[:, None]) & (ar < (lo + size)[:, None])
-        sub_arg = None
-        if sub_block_cache:
-            # Each row's current sub-block (offset, size), whole blocks included (size B).
-            sizes_t = size if step_sub is None and split_sub else torch.full_like(start, step_sub or bsz)
-            sub_arg = (open_.long().argmax(1) // sizes_t * sizes_t, sizes_t)
-        win = None
-        if step_sub is not None and step_sub != bsz:
-            # Each row's current sub-block: the leftmost with an open position.
-            # Every active row has one (else it would be done or in its next
-            # block), and a just-started block is at sub-block 0.
-            off = open_.long().argmax(1) // step_sub * step_sub
-            win = off[:, None] + ar[:step_sub]  # (N, S) block positions of the window
-        if open_.shape[0] == 1 and temperature == 0.0:
-            # One row, greedy: only its open positions of the window need logits
-            # (a committed one is never proposed again), so the LM head, the
-            # grammar and the proposals cost the open positions alone; the
-            # choices are the same. (Sampling keeps whole windows: one draw per
-            # window position is what makes a row's samples independent of the
-            # rows beside it, `sample_rows`.)
-            win = (ar if win is None else win[0]).masked_select(open_[0] if win is None else open_[0, win[0]])[None]
-
-        if sub_arg is None:
-            logits = forward(resp, start, plen, ctx, ctx_list, win)
+        w = _window(st, blocks, eos_id, max_new_tokens, greedy=temperature == 0.0)
+        # Step 2, the forward: (N, W, V) logits of the window positions.
+        if w.sub is None:
+            logits = forward(st.resp, st.start, st.plen, ctx, ctx_list, w.win)
         else:
             assert isinstance(forward, _CachedForward)
-            logits = forward(resp, start, plen, ctx, ctx_list, win, sub=sub_arg)
+            logits = forward(st.resp, st.start, st.plen, ctx, ctx_list, w.win, sub=w.sub)
         step = nfe
         nfe += 1
-        # Before `propose`, which bans the mask column in place: the raw log-partition.
-        lse = torch.logsumexp(logits.float(), dim=-1) if logp_of is not None else None
-        free = None
-        if grammar is None:
-            # One (N, W, V) draw per step on both paths, so sampling draws alike.
-            tokens, conf = propose(logits, temperature, generator, mask_id)
-        else:
-            # Response positions of the window (a last block's positions past the
-            # limit are never open: any valid index will do).
-            where = cols if win is None else start[:, None] + win
-            where = where.clamp(max=max_new_tokens - 1)
-            gstate = grammar.state(rows, resp, step_of >= 0)
-            tokens, conf, free = constrained_proposals(logits, grammar.allowed(gstate, where), mask_id)
-        tok_logp = None
-        if logp_of is not None:
-            assert lse is not None
-            tok_logp = logits.gather(-1, tokens[..., None]).squeeze(-1).float() - lse
-
-        open_w = open_ if win is None else open_.gather(1, win)
-        thr: float | torch.Tensor = threshold
-        if explanation_threshold is not None:
-            assert grammar is not None
-            thr = torch.where(grammar.past_template(rows, where), explanation_threshold, threshold)
-        chosen_w = commit_mask(conf, open_w, thr)
-        if grammar is not None:
-            assert free is not None
-            kept = grammar.consistent(gstate, chosen_w, tokens, conf, where)
-            # Changed: a commit that is not the model's own choice, or a pick held back.
-            changed[rows] |= (kept & ~free).any(1) | (chosen_w & ~kept).any(1)
-            chosen_w = kept
-        if win is None:
-            chosen = chosen_w
-        else:
-            # Back to block positions (outside the window nothing is chosen, so
-            # the zeros put in tokens and log-probs there are never read).
-            chosen = torch.zeros_like(open_).scatter_(1, win, chosen_w)
-            tokens = torch.zeros_like(cols).scatter_(1, win, tokens)
-            if tok_logp is not None:
-                tok_logp = tok_logp.new_zeros(cols.shape).scatter_(1, win, tok_logp)
-        new_tok = torch.where(chosen, tokens, old_tok)
-        committed = committed | chosen
-        resp.scatter_(1, cols, new_tok)
-        step_of.scatter_(1, cols, torch.where(chosen, step, old_step))
-        if logp_of is not None:
-            assert tok_logp is not None
-            logp_of.scatter_(1, cols, torch.where(chosen, tok_logp, logp_of.gather(1, cols)))
-
-        is_eos = committed & (new_tok == eos_id)
-        after_eos = is_eos.cumsum(1) > 0
-        done_eos = is_eos.any(1) & (committed | after_eos).all(1)
-        done_limit = (committed | ~in_limit).all(1) & (start + bsz >= max_new_tokens)
-        done = done_eos | done_limit
-        complete = committed.all(1) & ~done
-        length = torch.where(done_eos, start + is_eos.long().argmax(1) + 1, max_new_tokens)
-        # One device -> host transfer per step.
-        done_list, complete_list, length_list = torch.stack([done.long(), complete.long(), length]).tolist()
-
-        start = start + bsz * complete.long()
-        if any(done_list):
-            fin = done.nonzero().squeeze(-1)
-            out_tokens[rows[fin]] = resp[fin]
-            out_steps[rows[fin]] = step_of[fin]
-            if logp_of is not None:
-                assert out_logp is not None
-                out_logp[rows[fin]] = logp_of[fin]
-            for r, d, n in zip(rows.tolist(), done_list, length_list):
-                if d:
-                    lengths[r] = n
-            alive_list = [i for i, d in enumerate(done_list) if not d]
-            if not alive_list:
-                break
-            alive = torch.tensor(alive_list, dtype=torch.long, device=device)
-            resp, step_of, start, plen, rows = resp[alive], step_of[alive], start[alive], plen[alive], rows[alive]
-            generator = select_rows(generator, alive_list)
-            if logp_of is not None:
-                logp_of = logp_of[alive]
-            complete = complete[alive]
-            complete_list = [complete_list[i] for i in alive_list]
-            forward.select(alive, alive_list)
-        ctx, ctx_list = complete, [bool(c) for c in complete_list]
-
-    tokens_all = out_tokens.tolist()
-    sequences = [tokens_all[i][: lengths[i]] for i in range(batch)]
-    # The rest of each row's last block (out_tokens holds the whole response
-    # buffer of a finished row: mask_id where never committed).
-    ends = [math.ceil(n / bsz) * bsz for n in lengths]
-    steps = tail_tokens = tail_steps = logprobs = tail_logprobs = None
-    if return_trace:
-        steps_all = out_steps.tolist()
-        steps = [steps_all[i][: lengths[i]] for i in range(batch)]
-        tail_tokens = [tokens_all[i][lengths[i] : ends[i]] for i in range(batch)]
-        tail_steps = [steps_all[i][lengths[i] : ends[i]] for i in range(batch)]
-    if out_logp is not None:
-        lp_all = out_logp.tolist()
-        logprobs = [lp_all[i][: lengths[i]] for i in range(batch)]
-        if return_trace:
-            tail_logprobs = [lp_all[i][lengths[i] : ends[i]] for i in range(batch)]
-    return DiffusionDecodeOutput(
-        sequences=sequences,
-        nfe=nfe,
-        generated_tokens=sum(lengths),
-        seconds=time.perf_counter() - start_time,
-        logprobs=logprobs,
-        steps=steps,
-        tail_tokens=tail_tokens,
-        tail_steps=tail_steps,
-        tail_logprobs=tail_logprobs,
-        constrained=changed.tolist() if grammar is not None else None,
-    )
+        proposal = _propose_step(logits, w, st, grammar, temperature, mask_id, max_new_tokens)
+        new_tok, committed = _commit(w, proposal, st, step, threshold, explanation_threshold, grammar, done_rows.changed)
+        following = _retire(new_tok, committed, w, st, done_rows, forward, eos_id, bsz, max_new_tokens)
+        if following is None:
+            break
+        ctx, ctx_list = following
+    return _output(done_rows, nfe, bsz, start_time, return_trace, grammar is not None)
