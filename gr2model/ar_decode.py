@@ -108,7 +108,7 @@ def left_pad(
     return ids.to(device), mask.to(device)
 
 
-def _left_pad_positions(attention_mask: torch.Tensor) -> torch.Tensor:
+def left_pad_positions(attention_mask: torch.Tensor) -> torch.Tensor:
     """(B, T) position ids that start at 0 on each row's first real token (pads get 0).
 
     The same convention as HF generate, so both decoders see identical inputs.
@@ -285,7 +285,7 @@ def ar_generate(
     seq[:, :prompt_len] = ids
     keep = torch.ones((batch, total_len), dtype=torch.bool, device=device)
     keep[:, :prompt_len] = mask.bool()
-    positions = _left_pad_positions(mask)
+    positions = left_pad_positions(mask)
     last = positions[:, -1:]
     pos = torch.cat([positions, last + torch.arange(1, max_new_tokens + 1, device=device)], dim=1)
     padded = not bool(keep[:, :prompt_len].all())

@@ -98,7 +98,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from gr2model.bounds import FieldRangeError, check
 from gr2model.kl import token_kl
 from gr2model.resume import Checkpointer
-from gr2model.sft import IGNORE_INDEX, SFTConfig, _stats, encode_example, run_train_loop
+from gr2model.sft import IGNORE_INDEX, SFTConfig, loss_stats, encode_example, run_train_loop
 
 __all__ = [
     "KIND_ANSWER",
@@ -578,7 +578,7 @@ def _loss_sums(
         per_token = nll + kd_weight * kl * (kind != KIND_PAD)
     weighted = (w * per_token).sum()
     with torch.no_grad():
-        stats = _stats(w, (w * nll).sum(), nll, kind == KIND_REASONING, kind == KIND_ANSWER)
+        stats = loss_stats(w, (w * nll).sum(), nll, kind == KIND_REASONING, kind == KIND_ANSWER)
     return weighted, stats, batch["n_tokens"]
 
 

@@ -55,6 +55,10 @@ __all__ = [
     "sequence_logprobs",
     "start_policy_run",
     "train_dapo",
+    "zero_grad_forward",
+    "sample_step",
+    "step_metrics",
+    "update_policy",
 ]
 
 RewardFn = Callable[[int, list[int]], tuple[float, dict[str, float]]]
@@ -471,7 +475,7 @@ class _StepSamples:
     rounds: int
 
 
-def _sample_step(
+def sample_step(
     stream: _PromptStream,
     sample: Sampler,
     reward_fn: RewardFn,
@@ -555,7 +559,7 @@ def shuffled_minibatches(
     ]
 
 
-def _update_policy(
+def update_policy(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     accelerator: Accelerator,
@@ -621,7 +625,7 @@ def _update_policy(
                         upd["tokens"] += stats["tokens"]
                         accelerator.backward(scaled)
             else:
-                accelerator.backward(_zero_grad_forward(model, pad_id))
+                accelerator.backward(zero_grad_forward(model, pad_id))
             if grad_clip > 0:
                 grad_norms.append(float(accelerator.clip_grad_norm_(model.parameters(), grad_clip)))
             optimizer.step()
@@ -629,7 +633,7 @@ def _update_policy(
     return upd, grad_norms
 
 
-def _step_metrics(
+def step_metrics(
     step: int,
     samples: _StepSamples,
     upd: dict[str, float],
@@ -677,7 +681,7 @@ def _step_metrics(
     return metrics
 
 
-def _zero_grad_forward(model: torch.nn.Module, pad_id: int) -> torch.Tensor:
+def zero_grad_forward(model: torch.nn.Module, pad_id: int) -> torch.Tensor:
     """A loss of exactly 0 that still touches every parameter.
 
     A process with no rollout in a minibatch must still join DDP's gradient
@@ -761,7 +765,7 @@ def train_dapo(
     bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc="dapo", disable=not accelerator.is_main_process)
     for step in bar:
         t0 = time.perf_counter()
-        samples = _sample_step(
+        samples = sample_step(
             run.stream, sample, reward_fn, step=step, prompts_per_step=cfg.prompts_per_step, group_size=G,
             max_resample_rounds=cfg.max_resample_rounds, eos_id=eos_id, rank=run.rank, world=run.world,
             global_sum=global_sum,
@@ -780,7 +784,7 @@ def train_dapo(
                     chunk = kept[start : start + cfg.minibatch_size]
                     lp, _ = logprobs(policy, chunk)
                     old += [lp[i, : len(r.completion)] for i, r in enumerate(chunk)]
-        upd, grad_norms = _update_policy(
+        upd, grad_norms = update_policy(
             model, optimizer, accelerator, kept, old, logprobs, lambda r: len(r.completion),
             minibatch_size=cfg.minibatch_size, inner_epochs=cfg.inner_epochs,
             clip_low=cfg.clip_low, clip_high=cfg.clip_high, grad_clip=cfg.grad_clip, shuffle_gen=run.shuffle_gen,
@@ -788,7 +792,7 @@ def train_dapo(
         )
         update_s = time.perf_counter() - t1
 
-        metrics = _step_metrics(
+        metrics = step_metrics(
             step, samples, upd, grad_norms, float(optimizer.param_groups[0]["lr"]), rollout_s, update_s, global_sum
         )
         if accelerator.is_main_process:

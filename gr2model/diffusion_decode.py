@@ -123,7 +123,7 @@ import torch
 from transformers import PreTrainedModel
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from gr2model.ar_decode import DecodeOutput, RowGenerators, _left_pad_positions, left_pad, sample_rows, select_rows
+from gr2model.ar_decode import DecodeOutput, RowGenerators, left_pad_positions, left_pad, sample_rows, select_rows
 from gr2model.block_diffusion import block_diffusion_mask
 from gr2model.constrained import GrammarState, ResponseGrammar, check_grammar, constrained_proposals
 
@@ -341,7 +341,7 @@ class _CachedForward:
     ) -> None:
         self.model = model
         self.ids, self.attn = ids, attn.bool()
-        self.prompt_pos = _left_pad_positions(attn)
+        self.prompt_pos = left_pad_positions(attn)
         rows, self.prompt_len = ids.shape
         device = ids.device
         self.block_size, self.mask_id = block_size, mask_id
@@ -601,7 +601,7 @@ class _RecomputeForward:
     def __init__(self, model: PreTrainedModel, ids: torch.Tensor, attn: torch.Tensor, block_size: int) -> None:
         self.model = model
         self.ids, self.attn = ids, attn.bool()
-        self.prompt_pos = _left_pad_positions(attn)
+        self.prompt_pos = left_pad_positions(attn)
         self.block_size = block_size
 
     def select(self, alive: torch.Tensor, alive_list: list[int]) -> None:

@@ -58,9 +58,9 @@ from gr2model.dapo import (
     DAPOConfig,
     RewardFn,
     _Rollout,
-    _sample_step,
-    _step_metrics,
-    _update_policy,
+    sample_step,
+    step_metrics,
+    update_policy,
     start_policy_run,
 )
 from gr2model.diffusion_decode import check_sub_block_size, diffusion_generate
@@ -213,7 +213,7 @@ def train_diffusion_rl(
     for step in bar:
         t0 = time.perf_counter()
         decode_tally[:] = [0.0, 0.0]
-        samples = _sample_step(
+        samples = sample_step(
             run.stream, sample, reward_fn, step=step, prompts_per_step=cfg.prompts_per_step, group_size=G,
             max_resample_rounds=cfg.max_resample_rounds, eos_id=eos_id, rank=run.rank, world=run.world,
             global_sum=global_sum,
@@ -234,7 +234,7 @@ def train_diffusion_rl(
                         chunk = kept[start : start + cfg.minibatch_size]
                         lp, _ = logprobs(policy, chunk)
                         old += [lp[i, : len(r.extra.tokens)] for i, r in enumerate(chunk)]
-        upd, grad_norms = _update_policy(
+        upd, grad_norms = update_policy(
             model, optimizer, accelerator, kept, old, logprobs, lambda r: r.extra.committed,
             minibatch_size=cfg.minibatch_size, inner_epochs=cfg.inner_epochs,
             clip_low=cfg.clip_low, clip_high=cfg.clip_high, grad_clip=cfg.grad_clip, shuffle_gen=run.shuffle_gen,
@@ -242,7 +242,7 @@ def train_diffusion_rl(
         )
         update_s = time.perf_counter() - t1
 
-        metrics = _step_metrics(
+        metrics = step_metrics(
             step, samples, upd, grad_norms, float(optimizer.param_groups[0]["lr"]), rollout_s, update_s, global_sum
         )
         canvases = sum(r.extra.canvases(block_size, include_tail=True) for r in kept)

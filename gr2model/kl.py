@@ -12,12 +12,12 @@ from typing import Literal
 
 import torch
 
-__all__ = ["KLKind", "token_kl"]
+__all__ = ["KLKind", "kl_terms", "token_kl"]
 
 KLKind = Literal["forward", "reverse"]
 
 
-def _kl_terms(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
+def kl_terms(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
     """sum over the last dim of p (log p - log q), with 0 log 0 = 0 (no nan, no nan gradient)."""
     p = log_p.exp()
     live = p > 0
@@ -43,7 +43,7 @@ def token_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor, kind: K
     log_s = torch.log_softmax(student_logits.float(), dim=-1)
     log_t = torch.log_softmax(teacher_logits.float(), dim=-1)
     if kind == "forward":
-        return _kl_terms(log_t, log_s)
+        return kl_terms(log_t, log_s)
     if kind == "reverse":
-        return _kl_terms(log_s, log_t)
+        return kl_terms(log_s, log_t)
     raise ValueError(f"kind must be 'forward' or 'reverse', got {kind!r}")

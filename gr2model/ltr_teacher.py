@@ -48,7 +48,7 @@ import scipy.sparse as sp
 from tqdm.auto import tqdm
 
 from gr2model.bounds import check
-from gr2model.teacher import FEATURE_NAMES, CoPurchaseStats, ExpertTeacher, ItemSide, _lookup
+from gr2model.teacher import FEATURE_NAMES, CoPurchaseStats, ExpertTeacher, ItemSide, lookup_counts
 
 logger = logging.getLogger(__name__)
 
@@ -278,24 +278,24 @@ def _extra_features(
     after = np.zeros(k)
     before = np.zeros(k)
     for h, w in weight.items():
-        after += w * _lookup(stats.counts, h, cands)
-        before += w * _lookup(stats.counts_t, h, cands)
+        after += w * lookup_counts(stats.counts, h, cands)
+        before += w * lookup_counts(stats.counts_t, h, cands)
     x[:, _E["co_after_all"]] = np.log1p(scale * after)
     x[:, _E["co_before_all"]] = np.log1p(scale * before)
     x[:, _E["co_after_rank"]] = _within_list_rank(after)
 
     last = hist[0]
-    c_last = _lookup(stats.counts, last, cands)
+    c_last = lookup_counts(stats.counts, last, cands)
     x[:, _E["co_last"]] = np.log1p(scale * c_last)
     n_last = stats.row_totals[last]
     x[:, _E["p_last"]] = c_last / n_last if n_last > 0 else 0.0
-    c_rev = _lookup(stats.counts_t, last, cands)  # C[c, last]
+    c_rev = lookup_counts(stats.counts_t, last, cands)  # C[c, last]
     n_c = stats.row_totals[cands]
     x[:, _E["p_rev_last"]] = np.divide(c_rev, n_c, out=np.zeros(k), where=n_c > 0)
 
     # Two hops: P2[h, c] = sum_x P(x | h) P(c | x), c reached through an item bought after h.
     def two_hop(h: int) -> np.ndarray:
-        return _lookup(trans.p2, h, cands)
+        return lookup_counts(trans.p2, h, cands)
 
     th_last = two_hop(last)
     x[:, _E["two_hop_last"]] = np.log(1e-6 + th_last)

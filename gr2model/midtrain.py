@@ -64,7 +64,7 @@ from gr2model.ar_decode import left_pad
 from gr2model.bounds import check
 from gr2model.metrics import rank_in_lists, ranking_metrics
 from gr2model.rerank_format import ASSISTANT, POSITION_RE, USER, ItemText
-from gr2model.sft import IGNORE_INDEX, SFTConfig, _explanation_span, encode_example
+from gr2model.sft import IGNORE_INDEX, SFTConfig, explanation_span, encode_example
 
 __all__ = [
     "MIDTRAIN_WORDS",
@@ -280,7 +280,7 @@ def build_examples(
 
 def explanation_of(response: str) -> str:
     """The explanation words of a re-ranking response ('' when it has none)."""
-    span = _explanation_span(response)
+    span = explanation_span(response)
     return response[span[0] : span[1]] if span else ""
 
 

@@ -100,8 +100,8 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from gr2model.block_diffusion import decoding_ids
 from gr2model.bounds import check
-from gr2model.kl import KLKind, _kl_terms, token_kl
-from gr2model.dapo import RewardFn, _zero_grad_forward, response_logits, shuffled_minibatches, start_policy_run
+from gr2model.kl import KLKind, kl_terms, token_kl
+from gr2model.dapo import RewardFn, zero_grad_forward, response_logits, shuffled_minibatches, start_policy_run
 from gr2model.diffusion_decode import check_sub_block_size, diffusion_generate
 from gr2model.diffusion_replay import (
     DEFAULT_MAX_COPIES,
@@ -175,9 +175,9 @@ def topk_token_kl(
     coarse_s = torch.cat([top, rest], dim=-1)
     coarse_t = teacher_logprobs.float()
     if kind == "forward":
-        return _kl_terms(coarse_t, coarse_s)
+        return kl_terms(coarse_t, coarse_s)
     if kind == "reverse":
-        return _kl_terms(coarse_s, coarse_t)
+        return kl_terms(coarse_s, coarse_t)
     raise ValueError(f"kind must be 'forward' or 'reverse', got {kind!r}")
 
 
@@ -504,7 +504,7 @@ def train_opd(
                             kl_sums[epoch][0] += float(kl.detach().sum())
                             kl_sums[epoch][1] += float(kl.numel())
                 else:
-                    accelerator.backward(_zero_grad_forward(model, pad_id))
+                    accelerator.backward(zero_grad_forward(model, pad_id))
                 if cfg.grad_clip > 0:
                     grad_norms.append(float(accelerator.clip_grad_norm_(model.parameters(), cfg.grad_clip)))
                 optimizer.step()

@@ -76,7 +76,7 @@ from typing import NamedTuple, Protocol
 import torch
 from transformers import Cache, PreTrainedModel
 
-from gr2model.ar_decode import DecodeOutput, _left_pad_positions, ar_generate, left_pad
+from gr2model.ar_decode import DecodeOutput, left_pad_positions, ar_generate, left_pad
 from gr2model.block_diffusion import block_diffusion_mask, block_diffusion_settings
 
 # The block decoder's cache pieces, reused rather than copied: the drafter's
@@ -681,7 +681,7 @@ class _AcceptedKVCache:
         """
         rows, prompt_len = ids.shape
         if prompt_len > 1:
-            pos = _left_pad_positions(attention_mask)
+            pos = left_pad_positions(attention_mask)
             self.forward(ids[:, :-1], pos[:, :-1], attention_mask[:, :-1].bool(), logits_to_keep=1)
         self.keep(torch.full((rows,), prompt_len - 1, dtype=torch.long, device=ids.device))
         return int(prompt_len > 1)

@@ -37,7 +37,7 @@ from gr2model.midtrain import (
     explanation_of,
     next_item_eval,
 )
-from gr2model.sft import SFTConfig, _loss_sums, collate_right_padded, run_train_loop
+from gr2model.sft import SFTConfig, sft_loss_sums, collate_right_padded, run_train_loop
 from gr2model.teacher import TRACE_WORDS
 from gr2model.tokenizer import build_tokenizer, extend_pretrained_tokenizer, special_ids
 from tasks.common import Seed, StageConfig, StageResume, process_state, save_stage_checkpoint, stage_main, timed
@@ -132,7 +132,7 @@ def run(
             model,
             encoded,
             functools.partial(collate_right_padded, pad_id=pad_id),
-            lambda m, batch, epoch: _loss_sums(m, batch),
+            lambda m, batch, epoch: sft_loss_sums(m, batch),
             scfg,
             accelerator=Accelerator(),
             on_step=tracker.log_step,

@@ -28,7 +28,7 @@ from gr2model.midtrain import (
     sid_table,
 )
 from gr2model.rerank_format import ItemText
-from gr2model.sft import IGNORE_INDEX, SFTConfig, _loss_sums, collate_right_padded, run_train_loop
+from gr2model.sft import IGNORE_INDEX, SFTConfig, sft_loss_sums, collate_right_padded, run_train_loop
 from gr2model.teacher import TRACE_WORDS
 from gr2model.tokenizer import build_tokenizer, special_ids
 
@@ -166,7 +166,7 @@ def test_memorised_sequence_is_retrieved(data) -> None:
     enc = encode_examples(tok, build_examples(full, table, MidtrainTasks(persona=False, item_attributes=False, attributes_item=False, trace=False)).get("sequence"), SFTConfig())
     cfg = SFTConfig(epochs=150, batch_size=1, lr=3e-3, warmup_steps=5)
     model, _, _ = run_train_loop(
-        model, enc, lambda b: collate_right_padded(b, tok.pad_token_id), lambda m, b, e: _loss_sums(m, b), cfg,
+        model, enc, lambda b: collate_right_padded(b, tok.pad_token_id), lambda m, b, e: sft_loss_sums(m, b), cfg,
         accelerator=Accelerator(cpu=True),
     )
     item_ids, sids = sid_table(tok, table)

@@ -17,7 +17,7 @@ from accelerate import Accelerator
 
 import resume_worker
 from gr2model.resume import Checkpointer, latest_state
-from gr2model.sft import SFTConfig, _loss_sums, collate_right_padded, encode_example, run_train_loop
+from gr2model.sft import SFTConfig, sft_loss_sums, collate_right_padded, encode_example, run_train_loop
 
 from tiny import toy_examples, toy_items, toy_model, toy_tokenizer
 
@@ -167,7 +167,7 @@ def test_length_grouped_batches_resume_mid_epoch(tmp_path: Path) -> None:
     def train(on_step: Any = None, checkpointer: Checkpointer | None = None) -> tuple[torch.nn.Module, list]:
         model, history, _ = run_train_loop(
             toy_model(tok), encoded, lambda b: collate_right_padded(b, tok.pad_token_id),
-            lambda m, batch, epoch: _loss_sums(m, batch), cfg, accelerator=Accelerator(cpu=True),
+            lambda m, batch, epoch: sft_loss_sums(m, batch), cfg, accelerator=Accelerator(cpu=True),
             on_step=on_step, lengths=lengths, checkpointer=checkpointer,
         )
         return model, history
