@@ -18,6 +18,13 @@ by what it is:
 - prompt tokens weigh 0 (labels -100): the model conditions on them and is never
   asked to write them.
 
+With `decision_weight` and the teacher's scores of an example's candidates, the
+response's first position token (the ranking's first decision: the first
+candidate the reasoning cites, or the first recommendation when the answer comes
+first) is also trained towards the teacher's whole distribution over the
+candidates, softmax(scores / decision_temperature): a soft target that says how
+close the runners-up were, where the label alone says only which one won.
+
 The loss is `sum(w * nll) / sum(w)` over the batch (token-level, so a long trace
 counts in proportion to its length). `train_sft` runs through
 `accelerate.Accelerator`, so the same call trains on a CPU, several GPUs or nodes.
@@ -41,7 +48,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from gr2model.bounds import FieldRangeError, check
-from gr2model.rerank_format import EXPLANATION_KEY, POSITION_RE
+from gr2model.rerank_format import EXPLANATION_KEY, POSITION_RE, pos_token
 from gr2model.resume import Checkpointer, generator_state, set_generator_state, skip_batches
 
 __all__ = [
@@ -55,6 +62,10 @@ __all__ = [
     "run_train_loop",
     "LengthGroupedBatches",
     "train_sft",
+    "loss_stats",
+    "sft_loss_sums",
+    "explanation_span",
+    "decision_cross_entropy",
 ]
 
 log = logging.getLogger(__name__)
@@ -77,6 +88,10 @@ class SFTConfig:
         the "recommendations" key to <|eos|> inclusive, and the JSON scaffolding).
     citation_weight: loss weight of the position tokens (`<pos_k>`) inside the
         explanation, the candidates the reasoning cites; None: reasoning_weight.
+    decision_weight: weight of the soft-target term at the first position token
+        of the response (cross-entropy to the teacher's softmax over the
+        candidates), for examples given the teacher's scores; 0: off.
+    decision_temperature: the temperature of that softmax (> 0).
     max_length: examples longer than this are cut at the end (a warning counts them).
     seed: shuffling order; training is deterministic given it on a CPU.
     grad_clip: max global gradient norm (<= 0 disables clipping).
@@ -90,6 +105,8 @@ class SFTConfig:
     reasoning_weight: float = 1.0
     answer_weight: float = 2.0
     citation_weight: float | None = None
+    decision_weight: float = 0.0
+    decision_temperature: float = 1.0
     max_length: int = 1024
     seed: int = 0
     grad_clip: float = 1.0
@@ -101,6 +118,8 @@ class SFTConfig:
         for name in ("weight_decay", "warmup_steps", "reasoning_weight", "answer_weight", "seed"):
             check(self, name, ge=0)
         check(self, "citation_weight", ge=0, optional=True)
+        check(self, "decision_weight", ge=0)
+        check(self, "decision_temperature", gt=0)
         check(self, "max_length", ge=2)
         check(self, "grad_clip")  # any finite value: <= 0 disables clipping
         if self.reasoning_weight + self.answer_weight <= 0:
@@ -122,7 +141,7 @@ class SFTResult:
 # --------------------------------------------------------------------- encoding
 
 
-def _explanation_span(response: str) -> tuple[int, int] | None:
+def explanation_span(response: str) -> tuple[int, int] | None:
     """Character span [start, end) of the explanation's words in a response, or None.
 
     The span runs from the first to the last non-blank character between the two
@@ -147,7 +166,7 @@ def _explanation_span(response: str) -> tuple[int, int] | None:
 
 
 def encode_example(
-    tok: PreTrainedTokenizerBase, prompt: str, response: str, cfg: SFTConfig
+    tok: PreTrainedTokenizerBase, prompt: str, response: str, cfg: SFTConfig, decision_scores: Sequence[float] | None = None
 ) -> dict[str, list[int] | list[float]]:
     """Token ids, labels and loss weights of one training example.
 
@@ -159,6 +178,10 @@ def encode_example(
         tok: a fast tokenizer (character offsets locate the explanation); its
             eos token ends the response.
         prompt, response: texts of the format (`build_prompt`, `build_response`).
+        decision_scores: the teacher's K scores of the candidates in the incoming
+            order; with cfg.decision_weight > 0 they give the soft target of the
+            response's first position token (the first decision), when that token
+            is the teacher's best candidate and lies within cfg.max_length.
     Returns:
         input_ids: L ints, prompt + response + eos, cut to cfg.max_length.
         labels: L ints, IGNORE_INDEX on prompt tokens, the token id elsewhere.
@@ -167,6 +190,9 @@ def encode_example(
             tokens), cfg.answer_weight on the rest of the response.
         reasoning: L ints, 1 on the explanation tokens (the loss split reported
             by `train_sft`), 0 elsewhere.
+        decision, decision_ids, decision_probs (only with a soft target): the
+            index in input_ids of the first position token, the ids of
+            `<pos_1>`..`<pos_K>` and the teacher's K probabilities.
     Raises:
         ValueError: a slow tokenizer (no offsets) or one without an eos token.
     """
@@ -178,7 +204,7 @@ def encode_example(
     prompt_ids = list(tok(prompt, add_special_tokens=False)["input_ids"])
     enc = tok(response, add_special_tokens=False, return_offsets_mapping=True)
     response_ids = list(enc["input_ids"]) + [eos_id]
-    span = _explanation_span(response)
+    span = explanation_span(response)
     in_expl = []
     for start, end in enc["offset_mapping"]:
         # A token belongs to the reasoning when it overlaps the explanation's
@@ -200,7 +226,28 @@ def encode_example(
     ]
     reasoning = [0] * n_prompt + [int(r) for r in in_expl]
     full = {"input_ids": input_ids, "labels": labels, "weights": weights, "reasoning": reasoning}
-    return {key: values[: cfg.max_length] for key, values in full.items()}
+    out = {key: values[: cfg.max_length] for key, values in full.items()}
+    if cfg.decision_weight > 0 and decision_scores is not None:
+        out.update(_decision_target(tok, response, enc["offset_mapping"], n_prompt, decision_scores, cfg))
+    return out
+
+
+def _decision_target(
+    tok: PreTrainedTokenizerBase, response: str, offsets: Sequence[tuple[int, int]], n_prompt: int,
+    scores: Sequence[float], cfg: SFTConfig,
+) -> dict[str, Any]:
+    """The soft target of the response's first position token ({} when there is none to give:
+    no position token within max_length, or one that is not the teacher's best candidate)."""
+    k = len(scores)
+    first = next(((j, int(m.group(1))) for j, (a, b) in enumerate(offsets) if (m := POSITION_RE.fullmatch(response[a:b].strip()))), None)
+    if first is None or n_prompt + first[0] >= cfg.max_length or not 1 <= first[1] <= k:
+        return {}
+    s = torch.as_tensor(scores, dtype=torch.float64)
+    if first[1] - 1 != int(s.argmax()):
+        return {}  # the written decision is not the teacher's choice (a targeted or sampled ranking)
+    probs = torch.softmax(s / cfg.decision_temperature, dim=0)
+    ids = tok.convert_tokens_to_ids([pos_token(p) for p in range(1, k + 1)])
+    return {"decision": n_prompt + first[0], "decision_ids": list(ids), "decision_probs": probs.tolist()}
 
 
 def collate_right_padded(examples: Sequence[dict[str, list]], pad_id: int) -> dict[str, torch.Tensor]:
@@ -213,7 +260,9 @@ def collate_right_padded(examples: Sequence[dict[str, list]], pad_id: int) -> di
     Returns:
         input_ids (B, L) long (pad_id on padding), attention_mask (B, L) long,
         labels (B, L) long (IGNORE_INDEX on padding), weights (B, L) float
-        (0 on padding), reasoning (B, L) long.
+        (0 on padding), reasoning (B, L) long; when any example has a soft
+        target, decision (B,) long (-1: none), decision_ids (B, K) long and
+        decision_probs (B, K) float.
     """
     width = max(len(e["input_ids"]) for e in examples)
     batch = len(examples)
@@ -224,6 +273,16 @@ def collate_right_padded(examples: Sequence[dict[str, list]], pad_id: int) -> di
         "weights": torch.zeros((batch, width), dtype=torch.float32),
         "reasoning": torch.zeros((batch, width), dtype=torch.long),
     }
+    if any("decision" in e for e in examples):
+        # Soft targets (`encode_example`): -1 marks a row without one; ids / probs padded with 0.
+        k = max(len(e.get("decision_ids", [])) for e in examples)
+        out["decision"] = torch.tensor([e.get("decision", -1) for e in examples], dtype=torch.long)
+        out["decision_ids"] = torch.zeros((batch, k), dtype=torch.long)
+        out["decision_probs"] = torch.zeros((batch, k), dtype=torch.float32)
+        for row, e in enumerate(examples):
+            if "decision" in e:
+                out["decision_ids"][row, : len(e["decision_ids"])] = torch.as_tensor(e["decision_ids"])
+                out["decision_probs"][row, : len(e["decision_probs"])] = torch.as_tensor(e["decision_probs"])
     for row, e in enumerate(examples):
         n = len(e["input_ids"])
         out["input_ids"][row, :n] = torch.as_tensor(e["input_ids"])
@@ -293,28 +352,53 @@ def warmup_cosine_factor(step: int, warmup_steps: int, total_steps: int) -> floa
 # ------------------------------------------------------------------------ train
 
 
-def _loss_sums(
-    model: torch.nn.Module, batch: dict[str, torch.Tensor]
+def sft_loss_sums(
+    model: torch.nn.Module, batch: dict[str, torch.Tensor], decision_weight: float = 0.0
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(sum(w * nll) with grad, stats (6,) without grad, non-pad tokens) of one batch.
 
     stats: [sum w, sum w*nll, reasoning nll sum, reasoning count, answer nll sum,
-    answer count]; sums rather than means so processes can add them up.
+    answer count]; sums rather than means so processes can add them up. With
+    `decision_weight` and soft targets in the batch (`collate_right_padded`), each
+    row's soft-target cross-entropy (`decision_cross_entropy`) adds to the sum
+    with that weight, and the weight to sum w.
     """
     out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
     nll, valid = _shifted_nll(out.logits, batch["labels"])
     w = batch["weights"][:, 1:].float() * valid
     weighted = (w * nll).sum()
+    extra_w = torch.zeros((), device=weighted.device)
+    if decision_weight > 0 and "decision" in batch:
+        ce = decision_cross_entropy(out.logits, batch["decision"], batch["decision_ids"], batch["decision_probs"])
+        weighted = weighted + decision_weight * ce.sum()
+        extra_w = extra_w + decision_weight * ce.numel()
     with torch.no_grad():
         is_reason = (batch["reasoning"][:, 1:] == 1) & valid
-        stats = _stats(w, weighted, nll, is_reason, valid & ~is_reason)
+        stats = loss_stats(w, weighted, nll, is_reason, valid & ~is_reason)
+        stats[0] += extra_w
     return weighted, stats, batch["attention_mask"].sum()
 
 
-def _stats(
+def decision_cross_entropy(
+    logits: torch.Tensor, decision: torch.Tensor, decision_ids: torch.Tensor, decision_probs: torch.Tensor
+) -> torch.Tensor:
+    """(R,) float32: for each of the R rows with a soft target, -sum_k p_k log q(<pos_k>), where q is the
+    model's next-token distribution (over the whole vocabulary) at the position that predicts the
+    decision token and p the teacher's probabilities.
+
+    Args:
+        logits: (B, T, V); decision: (B,) long, the decision token's index (-1: no soft target);
+        decision_ids: (B, K) long; decision_probs: (B, K) float (0 on padding).
+    """
+    rows = (decision >= 1).nonzero().squeeze(-1)
+    logp = F.log_softmax(logits[rows, decision[rows] - 1].float(), dim=-1)  # (R, V)
+    return -(decision_probs[rows] * logp.gather(-1, decision_ids[rows])).sum(-1)
+
+
+def loss_stats(
     w: torch.Tensor, weighted: torch.Tensor, nll: torch.Tensor, is_reason: torch.Tensor, is_answer: torch.Tensor
 ) -> torch.Tensor:
-    """The 6 summed loss stats (see `_loss_sums`; also `gr2model.cft._loss_sums`)."""
+    """The 6 summed loss stats (see `sft_loss_sums`; also `gr2model.cft._loss_sums`)."""
     return torch.stack(
         [
             w.sum(),
@@ -328,7 +412,7 @@ def _stats(
 
 
 def _split_metrics(stats: torch.Tensor, prefix: str = "") -> dict[str, float]:
-    """loss, reasoning_loss, answer_loss from summed stats (see `_loss_sums`)."""
+    """loss, reasoning_loss, answer_loss from summed stats (see `sft_loss_sums`)."""
     s = stats.tolist()
     return {
         f"{prefix}loss": s[1] / s[0] if s[0] > 0 else 0.0,
@@ -353,7 +437,7 @@ def _valid_stats(
         batch = collate_right_padded(mine[start : start + cfg.batch_size], pad_id)
         batch = {k: v.to(accelerator.device) for k, v in batch.items()}
         with accelerator.autocast():
-            stats += _loss_sums(model, batch)[1]
+            stats += sft_loss_sums(model, batch)[1]
     return accelerator.reduce(stats, reduction="sum")
 
 
@@ -517,7 +601,7 @@ def run_train_loop(
     cfg.batch_size, each process training on its part (`GlobalBatchShards`), AdamW, linear
     warmup then cosine decay (`warmup_cosine_factor`); model, optimizer and
     DataLoader go through `accelerator.prepare`. Per step: `loss_sums(model,
-    batch, epoch)` gives (sum(w * nll) with grad, the 6 stats of `_loss_sums`,
+    batch, epoch)` gives (sum(w * nll) with grad, the 6 stats of `sft_loss_sums`,
     token count); the loss is that sum normalised by the global batch's weight
     (all processes), then `accelerator.backward`, clip, step, and the step's
     metrics go to `on_step` (main process only).
@@ -636,10 +720,14 @@ def run_train_loop(
     return trained, history, step
 
 
-def _encode_all(
-    tok: PreTrainedTokenizerBase, examples: Sequence[tuple[str, str]], cfg: SFTConfig, what: str
-) -> list[dict[str, list]]:
-    encoded = [encode_example(tok, p, r, cfg) for p, r in examples]
+Example = tuple[str, str] | tuple[str, str, Sequence[float]]  # (prompt, response[, the teacher's K scores])
+
+
+def _encode_all(tok: PreTrainedTokenizerBase, examples: Sequence[Example], cfg: SFTConfig, what: str) -> list[dict[str, list]]:
+    encoded = [encode_example(tok, e[0], e[1], cfg, e[2] if len(e) > 2 else None) for e in examples]  # type: ignore[misc]
+    if cfg.decision_weight > 0:
+        given = sum(len(e) > 2 for e in examples)
+        log.info("%s: soft decision targets on %d of %d examples (%d given the teacher's scores)", what, sum("decision" in e for e in encoded), len(encoded), given)
     # A cut example loses its end (the ranking, eos) and still trains its start;
     # one cut before its response has nothing to learn and is dropped.
     n_cut = sum(1 for e in encoded if len(e["input_ids"]) == cfg.max_length)
@@ -656,10 +744,10 @@ def _encode_all(
 def train_sft(
     model: PreTrainedModel,
     tok: PreTrainedTokenizerBase,
-    examples: Sequence[tuple[str, str]],
+    examples: Sequence[Example],
     cfg: SFTConfig,
     *,
-    valid: Sequence[tuple[str, str]] | None = None,
+    valid: Sequence[Example] | None = None,
     on_step: Callable[[dict[str, float]], None] | None = None,
     accelerator: Accelerator | None = None,
     checkpointer: Checkpointer | None = None,
@@ -677,7 +765,8 @@ def train_sft(
         model: a causal LM whose forward maps input_ids (B, L) and attention_mask
             (B, L) to logits (B, L, V).
         tok: its tokenizer (fast; pad and eos tokens set).
-        examples: (prompt, response) texts; the response without the eos token.
+        examples: (prompt, response) texts, the response without the eos token, or
+            (prompt, response, the teacher's K scores) for a soft decision target.
         cfg: see SFTConfig.
         valid: optional held-out pairs; their loss is computed after every epoch.
         on_step: called on the main process with each step's metrics (step, epoch,
@@ -704,7 +793,7 @@ def train_sft(
         model,
         train_enc,
         functools.partial(collate_right_padded, pad_id=pad_id),  # picklable, for worker processes
-        lambda m, batch, epoch: _loss_sums(m, batch),
+        lambda m, batch, epoch: sft_loss_sums(m, batch, cfg.decision_weight),
         cfg,
         accelerator=accelerator,
         valid_stats=(lambda m: _valid_stats(m, valid_enc, cfg, pad_id, accelerator)) if valid_enc else None,

@@ -88,6 +88,7 @@ __all__ = [
     "answer_order",
     "generate_traces",
     "teacher_accuracy",
+    "lookup_counts",
 ]
 
 # --------------------------------------------------------------------------- features
@@ -221,7 +222,7 @@ def _count_matrix(sequences: Sequence[Sequence[int]], v: int, window: int) -> tu
     return mat, pop
 
 
-def _lookup(mat: sp.csr_matrix, row: int, cols: np.ndarray) -> np.ndarray:
+def lookup_counts(mat: sp.csr_matrix, row: int, cols: np.ndarray) -> np.ndarray:
     """mat[row, cols] as a dense (len(cols),) float64 array, without scipy's slow
     fancy indexing: a binary search in the row's sorted column indices."""
     start, end = mat.indptr[row], mat.indptr[row + 1]
@@ -296,8 +297,8 @@ def _analyse(
     before_src = np.full(k, -1, dtype=np.int64)
     c_last = np.zeros(k)
     for j, h in enumerate(rec):
-        a = _lookup(stats.counts, h, cands)  # C[h, c]
-        b = _lookup(stats.counts_t, h, cands)  # C[c, h]
+        a = lookup_counts(stats.counts, h, cands)  # C[h, c]
+        b = lookup_counts(stats.counts_t, h, cands)  # C[c, h]
         if j == 0:
             c_last = a
         after_w += decay**j * a
@@ -964,6 +965,9 @@ class TraceRecord:
     target: int
     kept: bool
     samples_tried: int
+    # The teacher's scores of the K candidates in the incoming order (the soft target of the
+    # first decision, `gr2model.sft`'s decision_weight).
+    teacher_scores: list[float]
 
 
 TRACE_COLUMNS: dict[str, pl.DataType] = {
@@ -975,6 +979,7 @@ TRACE_COLUMNS: dict[str, pl.DataType] = {
     "target": pl.Int64,
     "kept": pl.Boolean,
     "samples_tried": pl.Int64,
+    "teacher_scores": pl.List(pl.Float64),
 }
 
 
@@ -1084,7 +1089,7 @@ def generate_traces(
             response = build_response(expl, ranking, items, fmt=fmt, candidates=cands)
             expl_lens.append(len(expl))
             resp_lens.append(len(response.split()))
-        records.append(TraceRecord(user_id, position, prompt, response, ranking, target, bool(ranking), tried))
+        records.append(TraceRecord(user_id, position, prompt, response, ranking, target, bool(ranking), tried, [float(x) for x in s]))
     traces = pl.DataFrame([asdict(r) for r in records], schema=TRACE_COLUMNS)
     seconds = time.perf_counter() - t0
     n = len(records)

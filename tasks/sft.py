@@ -26,7 +26,7 @@ import torch
 from gr2model.ar_model import count_parameters
 from gr2model.checkpoint import load_hf_checkpoint, read_stage_config
 from gr2model.sft import SFTConfig, train_sft
-from tasks.common import Cap, Fraction, Seed, StageConfig, StageResume, save_stage_checkpoint, stage_main, timed
+from tasks.common import Cap, Fraction, ParamsError, Seed, StageConfig, StageResume, save_stage_checkpoint, stage_main, timed
 from tasks.tracking import StageTracker
 
 STAGE = "sft"
@@ -55,12 +55,18 @@ def run(
     timings: dict[str, float] = {}
     start = time.perf_counter()
     torch.manual_seed(cfg.seed)
-    traces = pl.read_parquet(root / TRACES / "train.parquet").filter(pl.col("kept"))
-    pairs = list(zip(traces["prompt"].to_list(), traces["response"].to_list(), strict=True))
+    path = root / TRACES / "train.parquet"
+    traces = pl.read_parquet(path).filter(pl.col("kept"))
+    columns: list[list[Any]] = [traces["prompt"].to_list(), traces["response"].to_list()]
+    if cfg.train.decision_weight > 0:
+        if "teacher_scores" not in traces.columns:
+            raise ParamsError(f"sft.train.decision_weight: {path} has no teacher_scores column (traces written before it existed): rerun `traces`")
+        columns.append(traces["teacher_scores"].to_list())
+    pairs = list(zip(*columns, strict=True))
     if cfg.max_examples:
         pairs = pairs[: cfg.max_examples]
     if not pairs:
-        raise RuntimeError(f"{root / TRACES / 'train.parquet'}: no kept traces to train on")
+        raise RuntimeError(f"{path}: no kept traces to train on")
     rng = random.Random(cfg.seed)
     rng.shuffle(pairs)
     n_valid = max(1, int(len(pairs) * cfg.valid_fraction)) if cfg.valid_fraction > 0 else 0

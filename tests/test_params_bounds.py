@@ -66,6 +66,7 @@ POS, NONNEG, UNIT, ANY_F, ANY_I = F(gt=0), F(ge=0), F(ge=0, le=1), F(), I()
 SFT = {
     "epochs": COUNT, "batch_size": COUNT, "lr": POS, "weight_decay": NONNEG, "warmup_steps": CAP,
     "reasoning_weight": NONNEG, "answer_weight": NONNEG, "citation_weight": F(ge=0, optional=True),
+    "decision_weight": NONNEG, "decision_temperature": POS,
     "max_length": I(ge=2), "seed": SEED,
     "grad_clip": ANY_F,  # <= 0 disables clipping
 }
@@ -117,7 +118,7 @@ BOUNDS: dict[str, dict[str, B]] = {
     "trajectories": {"batch_size": COUNT, "max_new_tokens": COUNT, "max_examples": CAP},
     "cft": {"seed": SEED, "valid_fraction": F(ge=0, lt=1), "max_examples": CAP},
     "cft.train": {
-        **{k: b for k, b in SFT.items() if k != "citation_weight"}, "pad_weight": NONNEG, "block_size": COUNT, "t_min": UNIT,
+        **{k: b for k, b in SFT.items() if k not in ("citation_weight", "decision_weight", "decision_temperature")}, "pad_weight": NONNEG, "block_size": COUNT, "t_min": UNIT,
         "valid_every": CAP, "kd_weight": NONNEG, "suffix_prob": UNIT,
     },
     "opd": {"seed": SEED, "max_prompts": CAP},

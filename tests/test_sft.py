@@ -25,7 +25,9 @@ from gr2model.sft import (
     SFTConfig,
     check_global_batches,
     collate_right_padded,
+    decision_cross_entropy,
     encode_example,
+    sft_loss_sums,
     run_train_loop,
     train_sft,
     warmup_cosine_factor,
@@ -158,6 +160,55 @@ def test_citation_weight_lands_on_the_reasonings_position_tokens(tok, items) -> 
     assert answer_positions == [3.0, 3.0, 3.0]
     plain = encode_example(tok, prompt, response, SFTConfig(reasoning_weight=0.5, answer_weight=3.0))
     assert [w for t, w, _ in zip(resp_words, plain["weights"][n_prompt:], plain["reasoning"][n_prompt:]) if t == "<pos_2>"][0] == 0.5
+
+
+def test_soft_decision_target_marks_the_first_position_token(tok, items) -> None:
+    """With decision_weight and the teacher's scores, the response's first position token (the
+    reasoning's first citation) carries softmax(scores / T) over the candidates' position tokens;
+    no target when the written decision is not the teacher's best, or when the option is off."""
+    fc = FormatConfig(history_len=2, with_attributes=False, answer="index")
+    cands = [2, 3, 1]
+    prompt = build_prompt([4, 1], cands, items, fc)
+    response = build_response(["pick", "<pos_2>", "<a_3>", "over", "<pos_1>"], [3, 2, 1], items, fmt=fc, candidates=cands)
+    scores = [0.5, 2.0, -1.0]  # the teacher's best is <pos_2>, the one the reasoning cites first
+    cfg = SFTConfig(decision_weight=3.0, decision_temperature=2.0)
+    enc = encode_example(tok, prompt, response, cfg, scores)
+    assert tok.convert_ids_to_tokens(enc["input_ids"][enc["decision"]]) == "<pos_2>"
+    assert enc["decision"] == len(prompt.split()) + 5  # { "explanation" : " pick <pos_2>
+    assert tok.convert_ids_to_tokens(enc["decision_ids"]) == ["<pos_1>", "<pos_2>", "<pos_3>"]
+    assert enc["decision_probs"] == pytest.approx(torch.softmax(torch.tensor(scores, dtype=torch.float64) / 2.0, 0).tolist())
+    # The same ids, labels and weights as without the target.
+    plain = encode_example(tok, prompt, response, SFTConfig())
+    assert {k: enc[k] for k in plain} == plain and "decision" not in plain
+    assert "decision" not in encode_example(tok, prompt, response, cfg, [3.0, 2.0, -1.0])  # best is <pos_1>
+    assert "decision" not in encode_example(tok, prompt, response, SFTConfig(), scores)
+
+
+def test_soft_decision_loss_adds_the_weighted_cross_entropy(tok, items) -> None:
+    fc = FormatConfig(history_len=1, with_attributes=False, answer="index")
+    cands = [2, 3, 1]
+    prompt = build_prompt([4], cands, items, fc)
+    response = build_response(["pick", "<pos_3>"], [1, 2, 3], items, fmt=fc, candidates=cands)
+    cfg = SFTConfig(decision_weight=2.0)
+    with_target = encode_example(tok, prompt, response, cfg, [0.0, 1.0, 3.0])
+    without = encode_example(tok, prompt, response, cfg)
+    batch = collate_right_padded([with_target, without], pad_id=tok.pad_token_id)
+    assert batch["decision"].tolist() == [with_target["decision"], -1]
+    assert batch["decision_probs"][1].tolist() == [0.0, 0.0, 0.0]
+    model = toy_model(tok).eval()
+    torch.set_grad_enabled(False)
+    try:
+        base_w, base_stats, _ = sft_loss_sums(model, batch)
+        w, stats, _ = sft_loss_sums(model, batch, 2.0)
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    finally:
+        torch.set_grad_enabled(True)
+    logp = torch.log_softmax(logits[0, with_target["decision"] - 1].float(), -1)
+    manual = -sum(p * logp[i] for p, i in zip(with_target["decision_probs"], with_target["decision_ids"]))
+    ce = decision_cross_entropy(logits, batch["decision"], batch["decision_ids"], batch["decision_probs"])
+    assert ce.shape == (1,) and float(ce[0]) == pytest.approx(float(manual), rel=1e-5)
+    assert float(w) == pytest.approx(float(base_w) + 2.0 * float(manual), rel=1e-5)
+    assert float(stats[0]) == pytest.approx(float(base_stats[0]) + 2.0)
 
 
 def test_collate_right_pads() -> None:

@@ -303,7 +303,7 @@ def test_responses_parse_and_use_closed_vocabulary(world, traces, mode: str) -> 
     cands = {(u, p): c for u, p, c in lists.select("user_id", "position", "candidates").iter_rows()}
     words = set(TRACE_WORDS)
     lengths = []
-    for user, pos, prompt, response, ranking, _target, kept, _tried in traces.filter("kept").iter_rows():
+    for user, pos, prompt, response, ranking, _target, kept, _tried, _scores in traces.filter("kept").iter_rows():
         parsed = parse_response(response, cands[(user, pos)], text)
         assert parsed.valid_permutation, parsed.error
         assert parsed.ranking == ranking
@@ -419,3 +419,13 @@ def test_reasoning_first_traces_decide_inside_the_reasoning(world) -> None:
     # The sid format keeps the semantic-id-only citations.
     sid_out, _ = generate_traces(world["teacher"], lists.head(20), text, FormatConfig(), TeacherConfig(mode="distill"))
     assert not any("<pos_" in r for r in sid_out["response"])
+
+
+def test_traces_keep_the_teachers_scores(world, traces) -> None:
+    """Every trace carries the teacher's K scores in the incoming order (the soft target of the
+    first decision); in distill mode their argmax is the ranking's first item."""
+    out, _ = traces["distill"]
+    lists = world["train"]
+    for scores, ranking, cands in zip(out["teacher_scores"].to_list(), out["ranking"].to_list(), lists["candidates"].to_list(), strict=True):
+        assert len(scores) == len(cands)
+        assert cands[int(np.argmax(scores))] == ranking[0]
