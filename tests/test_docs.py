@@ -33,6 +33,8 @@ EXPENSIVE: dict[tuple[str, ...], str] = {
     ("gr2", "status"): "reads a workspace made by the commands before it",
     ("gr2", "results"): "reads a workspace made by the commands before it",
     ("gr2", "report"): "reads a workspace made by the commands before it",
+    (".venv/bin/python", "experiments/seeds.py"): "trains sft and ar_rl per seed on a workspace",
+    (".venv/bin/python", "experiments/eval_checkpoint.py"): "decodes every example of a workspace",
 }
 
 
