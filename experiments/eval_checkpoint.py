@@ -33,6 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
+from gr2model.bench import row_forwards
 from gr2model.checkpoint import load_hf_checkpoint
 from gr2model.data import load_prepared
 from gr2model.rerank_eval import decoder_kwargs, fixed_rankings, lm_rerank, rerank_examples
@@ -85,8 +86,7 @@ def main() -> None:
             results[ckpt][split], ranks[ckpt][split] = scored(result.parsed, df["target"].to_list())
             seconds[split] = round(time.perf_counter() - t0, 1)
             # Per row, as the benchmark's: a batch forward serves each of its rows.
-            row_forwards = sum(o.nfe * len(o.sequences) for o in result.outputs)
-            results[ckpt][split]["tokens_per_forward"] = result.generated_tokens / max(row_forwards, 1)
+            results[ckpt][split]["tokens_per_forward"] = result.generated_tokens / max(row_forwards(result), 1)
             if a.constrained:
                 results[ckpt][split]["grammar_changed_rate"] = result.grammar_changed_rate
         add_intervals(results, ranks, n_boot=2000, seed=0)  # evaluate's intervals: paired differences to prerank

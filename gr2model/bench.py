@@ -108,7 +108,7 @@ def equal_share(sequences: Sequence[Sequence[int]], reference: Sequence[Sequence
     return sum(list(a) == list(b) for a, b in zip(sequences, reference)) / max(len(sequences), 1)
 
 
-def _row_forwards(out: LMRerankResult, attr: str = "nfe", batch_size: int = 1) -> int:
+def row_forwards(out: LMRerankResult, attr: str = "nfe", batch_size: int = 1) -> int:
     """Forwards as one row sees them: each batch's forwards (`attr` of its output) times its rows, summed.
 
     A batch forward serves every row of the batch, so this over the generated
@@ -134,8 +134,8 @@ def speculative_stats(out: LMRerankResult) -> dict[str, float]:
     verifications = sum(o.row_verifications for o in spec)
     return {
         "mean_accepted_length": sum(o.accepted_tokens for o in spec) / verifications if verifications else 0.0,
-        "ar_forwards_per_token": _row_forwards(out, "ar_nfe") / tokens,
-        "draft_forwards_per_token": _row_forwards(out, "draft_nfe") / tokens,
+        "ar_forwards_per_token": row_forwards(out, "ar_nfe") / tokens,
+        "draft_forwards_per_token": row_forwards(out, "draft_nfe") / tokens,
     }
 
 
@@ -169,8 +169,8 @@ def _row(job: _Job, out: LMRerankResult, seconds: Sequence[float], targets: Sequ
         "tokens_per_s_speedup": float("nan"),
         "forward_cost": float("nan"),  # filled against our AR loop's row (`relative_speeds`)
         "projected_speedup": float("nan"),
-        "nfe_per_token": _row_forwards(out, batch_size=bs) / tokens,
-        "tokens_per_forward": tokens / max(_row_forwards(out, batch_size=bs), 1),
+        "nfe_per_token": row_forwards(out, batch_size=bs) / tokens,
+        "tokens_per_forward": tokens / max(row_forwards(out, batch_size=bs), 1),
         "response_tokens": out.generated_tokens / max(n, 1),
         "recall@1": m["recall@1"],
         "ndcg@3": m["ndcg@3"],

@@ -40,7 +40,7 @@ import polars as pl
 import torch
 from accelerate import PartialState
 
-from gr2model.bench import SPEED_FIELDS, decode_benchmark, equal_share, speculative_stats, speed_table
+from gr2model.bench import SPEED_FIELDS, decode_benchmark, equal_share, row_forwards, speculative_stats, speed_table
 from gr2model.block_diffusion import block_diffusion_settings, convert_to_block_diffusion
 from gr2model.checkpoint import load_hf_checkpoint
 from gr2model.constrained import covers
@@ -55,6 +55,7 @@ from gr2model.rerank_format import (
 )  # fmt: skip
 from gr2model.ltr_teacher import LTRConfig, LTRTeacher
 from gr2model.teacher import ExpertTeacher
+from tasks.results import GRAMMAR_SUFFIX, diffusion_ladder  # `<model>+grammar`: decoded under the answer grammar
 from tasks.traces import load_format, load_lists
 from tasks.common import Cap, Count, Seed, StageConfig, Unit, process_state, stage_main, timed, write_json_atomic, write_text_atomic
 from tasks.tracking import StageTracker
@@ -72,7 +73,6 @@ GR2 = AR_MODELS["gr2"]
 NAIVE = "dgr2-naive"  # GR2 converted without training: the structural gap that CFT closes
 # GR2 with its explanation forced empty (`no_reasoning_prefix`), then its own answer: what the reasoning is worth.
 NO_REASONING = "gr2-no-reasoning"
-GRAMMAR_SUFFIX = "+grammar"  # `<model>+grammar`: the same model decoded under the answer grammar (a labelled extra)
 DIFFUSION_MODELS: dict[str, Path] = {
     "dgr2-cft": Path("checkpoints/dgr2-cft"),
     "dgr2-opd": Path("checkpoints/dgr2-opd"),
@@ -319,6 +319,8 @@ def _decode_eval(
     m, ranks = scored(out.parsed, df["target"].to_list())
     m["tokens_per_s"] = out.generated_tokens / max(out.seconds, 1e-9)
     m["response_tokens"] = out.generated_tokens / max(len(out.parsed), 1)
+    # Hardware-independent: tokens one row gets per forward it waits for (a batch forward serves every row).
+    m["tokens_per_forward"] = out.generated_tokens / max(row_forwards(out), 1)
     if constrained:
         m["grammar_changed_rate"] = out.grammar_changed_rate
     return m, ranks, out
@@ -589,7 +591,11 @@ def run(cfg: EvaluateConfig, root: Path, log: logging.Logger, tracker: StageTrac
         f"## Ablation ({s}, {decoding_note(cfg)}; intervals: {cfg.bootstrap} bootstrap resamples, paired)\n\n{ablation_table(results, s)}"
         for s in cfg.splits
     )
-    sections = [ablation, spec_report(results, cfg.splits), report]
+    ladder = "\n\n".join(
+        f"## From GR2 to Diffusion-GR2 ({s}: each rung paired against gr2 and the incoming order, {decoding_note(cfg)})\n\n{table}"
+        for s in cfg.splits if (table := diffusion_ladder(results, s))
+    )
+    sections = [ablation, ladder, spec_report(results, cfg.splits), report]
     write_text_atomic("# Re-ranking evaluation\n\n" + "\n\n".join(part for part in sections if part) + "\n", root / REPORT)
     tracker.log_artifact(root / REPORT)
     if models:

@@ -270,7 +270,10 @@ def ablation_table(evaluate: Mapping[str, Mapping[str, Mapping[str, Any]]], spli
     return _table(ABLATION_HEADER, rows) if rows else ""
 
 
-LADDER_HEADER = ("model", "R@1", "R@1 - gr2", "NDCG@3 - gr2", "top-1 as GR2's", "valid permutations", "grammar changed")
+LADDER_HEADER = (
+    "model", "R@1", "R@1 - gr2", "NDCG@3 - gr2", "R@1 - prerank", "NDCG@3 - prerank", "top-1 as GR2's", "valid permutations",
+    "tokens per forward", "grammar changed",
+)  # fmt: skip
 
 
 def diffusion_ladder(evaluate: Mapping[str, Mapping[str, Mapping[str, Any]]], split: str) -> str:
@@ -284,7 +287,8 @@ def diffusion_ladder(evaluate: Mapping[str, Mapping[str, Mapping[str, Any]]], sp
         m = evaluate[model][split]
         rows.append([
             f"`{model}`", _with_ci(m, "recall@1"), _diff(m, "recall@1_vs_gr2"), _diff(m, "ndcg@3_vs_gr2"),
-            _fmt(m.get("top1_agreement_vs_gr2")), _fmt(m.get("valid_permutation_rate")), _fmt(m.get("grammar_changed_rate")),
+            _diff(m, "recall@1_vs_prerank"), _diff(m, "ndcg@3_vs_prerank"), _fmt(m.get("top1_agreement_vs_gr2")),
+            _fmt(m.get("valid_permutation_rate")), _fmt(m.get("tokens_per_forward"), 2), _fmt(m.get("grammar_changed_rate")),
         ])  # fmt: skip
     return _table(LADDER_HEADER, rows)
 

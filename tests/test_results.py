@@ -39,7 +39,7 @@ def _m(r1: float, ndcg3: float, *, vs_prerank: float | None = None, vs_gr2: floa
 
 EVALUATE = {
     "prerank": {"test": _m(0.3223, 0.4701, valid_permutation_rate=1.0, copy_incoming_rate=1.0)},
-    "dgr2": {"test": _m(0.3264, 0.4717, vs_prerank=0.0041, vs_gr2=0.0, valid_permutation_rate=0.961, copy_incoming_rate=0.94, top1_agreement_vs_gr2=0.93)},
+    "dgr2": {"test": _m(0.3264, 0.4717, vs_prerank=0.0041, vs_gr2=0.0, valid_permutation_rate=0.961, copy_incoming_rate=0.94, top1_agreement_vs_gr2=0.93, tokens_per_forward=2.47)},
     "gr2": {"test": _m(0.3372, 0.4765, vs_prerank=0.0149, valid_permutation_rate=0.9986, copy_incoming_rate=0.873)},
     "gr2+grammar": {"test": _m(0.3372, 0.4765, vs_prerank=0.0149, valid_permutation_rate=1.0, copy_incoming_rate=0.873, grammar_changed_rate=0.0014)},
     "new-row": {"test": _m(0.30, 0.45)},
@@ -74,9 +74,22 @@ def test_rows_follow_the_reading_order_and_carry_intervals() -> None:
     assert ablation_rows(EVALUATE, "valid") == []
 
 
+def test_ladder_lists_the_rungs_in_order() -> None:
+    rungs = {name: {"test": _m(0.33, 0.47, vs_prerank=0.01, vs_gr2=-0.001, tokens_per_forward=2.0)} for name in ("dgr2", "dgr2-opd", "dgr2-naive", "dgr2-cft")}
+    ladder = diffusion_ladder({**rungs, "gr2": EVALUATE["gr2"], "prerank": EVALUATE["prerank"]}, "test")
+    names = [line.split(" | ")[0].removeprefix("| ") for line in ladder.splitlines()[2:]]
+    assert names == ["`gr2`", "`dgr2-naive`", "`dgr2-cft`", "`dgr2-opd`", "`dgr2`"]
+
+
 def test_ladder_only_with_diffusion_rows() -> None:
     ladder = diffusion_ladder(EVALUATE, "test")
-    assert ladder.splitlines()[2].startswith("| `gr2` |") and "| `dgr2` | 0.3264 [0.3164, 0.3364] | +0.0000 [-0.0070, +0.0070] | - | 0.9300 | 0.9610 | - |" in ladder
+    lines = ladder.splitlines()
+    assert lines[0] == (
+        "| model | R@1 | R@1 - gr2 | NDCG@3 - gr2 | R@1 - prerank | NDCG@3 - prerank | top-1 as GR2's | valid permutations "
+        "| tokens per forward | grammar changed |"
+    )
+    assert lines[2].startswith("| `gr2` |") and lines[3].startswith("| `dgr2` |")  # GR2, then the rungs in order
+    assert "| `dgr2` | 0.3264 [0.3164, 0.3364] | +0.0000 [-0.0070, +0.0070] | - | +0.0041 [-0.0049, +0.0131] | +0.0041 [-0.0019, +0.0101] | 0.9300 | 0.9610 | 2.47 | - |" in ladder
     assert diffusion_ladder({"gr2": EVALUATE["gr2"]}, "test") == ""
 
 
