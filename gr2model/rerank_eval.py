@@ -19,12 +19,12 @@ from tqdm.auto import tqdm
 
 from gr2model.ar_decode import DecodeOutput, ar_generate
 from gr2model.block_diffusion import block_diffusion_settings
-from gr2model.constrained import ResponseGrammar, answer_template, check_covered
+from gr2model.constrained import ResponseGrammar, answer_template, check_covered, covers
 from gr2model.dapo import sequence_logprobs
 from gr2model.diffusion_decode import check_sub_block_size, diffusion_generate
 from gr2model.speculative import Drafter, SpeculativeDecodeOutput, diffusion_drafter, speculative_generate
-from gr2model.rerank_format import FormatConfig, ItemText, ParsedResponse, build_prompt, evidence_of, parse_response
-from gr2model.tokenizer import special_ids
+from gr2model.rerank_format import EXPLANATION_KEY, FormatConfig, ItemText, ParsedResponse, build_prompt, evidence_of, parse_response
+from gr2model.tokenizer import single_token_id, special_ids
 
 log = logging.getLogger(__name__)
 
@@ -222,31 +222,55 @@ def explanation_nll(
 ) -> np.ndarray:
     """(n,) each answer's mean negative log-likelihood per token of its explanation under `scorer`.
 
-    The explanation is everything after the answer-first template (its words and
-    the closing `" } eos`), scored by an AR model (`scorer`, e.g. GR2) given the
-    prompt and the answer before it, teacher-forced. It says how much an
-    explanation reads like what the scorer would write: a parallel decoder that
-    commits the explanation loosely writes repeats and fragments that GR2 finds
-    unlikely. NaN where the answer is not longer than the template. Needs the
-    format the grammar covers (`gr2model.constrained.covers`): ValueError otherwise.
+    The explanation's tokens (`explanation_bounds`) are scored by an AR model
+    (`scorer`, e.g. GR2) given the prompt and whatever the answer wrote before
+    them, teacher-forced. It says how much an explanation reads like what the
+    scorer would write: a parallel decoder that commits the explanation loosely
+    writes repeats and fragments that GR2 finds unlikely. NaN where the answer has
+    no explanation to score.
     """
-    check_covered(fmt, "explanation_nll")
     if len(sequences) != lists.height:
         raise ValueError(f"{len(sequences)} answers for {lists.height} lists")
     pad = special_ids(tok)["pad"]
     prompts = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts_of(lists, items, fmt)]
-    starts = [len(answer_template(len(c))) for c in lists["candidates"].to_list()]
+    opening = explanation_opening_ids(tok)
+    quote = single_token_id(tok, '"')
+    bounds = [explanation_bounds(seq, fmt, len(c), opening, quote) for seq, c in zip(sequences, lists["candidates"].to_list(), strict=True)]
     out = np.full(len(sequences), np.nan)
     for lo in range(0, len(sequences), batch_size):
-        rows = [i for i in range(lo, min(lo + batch_size, len(sequences))) if len(sequences[i]) > starts[i]]
+        rows = [i for i in range(lo, min(lo + batch_size, len(sequences))) if bounds[i] is not None]
         if not rows:
             continue
         logp, mask = sequence_logprobs(scorer, [prompts[i] for i in rows], [list(sequences[i]) for i in rows], pad)
         cols = torch.arange(logp.shape[1], device=logp.device)
         for j, i in enumerate(rows):
-            keep = (cols >= starts[i]) & (mask[j] > 0)
+            start, end = bounds[i]  # type: ignore[misc]
+            keep = (cols >= start) & (cols < end) & (mask[j] > 0)
             out[i] = float(-logp[j][keep].mean())
     return out
+
+
+def explanation_opening_ids(tok) -> list[int]:
+    """The ids of `{ "explanation" : "`, the opening of a reasoning-first response."""
+    return [single_token_id(tok, t) for t in ("{", EXPLANATION_KEY, ":", '"')]
+
+
+def explanation_bounds(seq: Sequence[int], fmt: FormatConfig, k: int, opening: Sequence[int], quote: int) -> tuple[int, int] | None:
+    """[start, end) of the explanation among a response's token ids, or None when there is none to score.
+
+    Rank-first (the grammar's format): everything after the K-candidate answer
+    template (its words and the closing `" } eos`). Reasoning first: the words
+    between the opening `{ "explanation" : "` and the next `"` token (an answer
+    that does not open so, or never closes its explanation, has none).
+    """
+    if covers(fmt):
+        start = len(answer_template(k))
+        return (start, len(seq)) if len(seq) > start else None
+    n = len(opening)
+    if list(seq[:n]) != list(opening):
+        return None
+    end = next((j for j in range(n, len(seq)) if seq[j] == quote), None)
+    return (n, end) if end is not None and end > n else None
 
 
 def mean_explanation_nll(

@@ -471,7 +471,7 @@ def run_bench(
         drafters=drafters, draft_len=cfg.bench.spec_draft_len, draft_steps=cfg.bench.spec_steps,
         draft_mode=cfg.bench.spec_draft_mode, constrained=cfg.grammar_rows and covers(fmt), plain_settings=(served,),
         explanation_taus=tuple(cfg.bench.explanation_taus),
-        explanation_sub_block_size=cfg.bench.explanation_sub_block_size, scorer=gr2 if covers(fmt) else None,
+        explanation_sub_block_size=cfg.bench.explanation_sub_block_size, scorer=gr2,
         repeats=cfg.bench.repeats,
     )  # fmt: skip
     if results:
@@ -520,7 +520,7 @@ def run(cfg: EvaluateConfig, root: Path, log: logging.Logger, tracker: StageTrac
     firsts: dict[str, dict[str, list[int]]] = {}  # model -> split -> each example's first item (as parsed)
     # GR2 scores every LM row's explanations (`explanation_nll`): how much they read like its own.
     scorer = None
-    if covers(fmt) and (root / GR2).exists() and state.is_main_process:
+    if (root / GR2).exists() and state.is_main_process:
         scorer = load_hf_checkpoint(root / GR2)[0].eval()
     grammar = cfg.grammar_rows and covers(fmt)
     if cfg.grammar_rows and not grammar:

@@ -301,5 +301,34 @@ def test_explanation_nll(tok) -> None:
     nll = explanation_nll(scorer, tok, lists, toy_items(), FMT, [own, other])
     assert nll[0] < 0.01 < 1.0 < nll[1]
     assert np.isnan(explanation_nll(scorer, tok, lists, toy_items(), FMT, [own[:10], own]))[0]
-    with pytest.raises(ValueError, match="answer-first index"):
-        explanation_nll(scorer, tok, lists, toy_items(), FormatConfig(history_len=0, with_attributes=False), [own, own])
+
+
+
+def test_explanation_nll_reasoning_first(tok) -> None:
+    """Reasoning first, the explanation is the words between `{ "explanation" : "` and the next quote:
+    only they are scored (the ranking after them is not), and an answer that does not open with an
+    explanation, or never closes it, has none."""
+    import polars as pl
+
+    fmt = FormatConfig(history_len=0, with_attributes=False, answer="index", answer_first=False)
+    lists = pl.DataFrame({"history": [[1], [2], [3], [4]], "candidates": [CANDIDATES] * 4, "target": [2, 3, 1, 4]})
+    prompt_len = len(tok(prompts_of(lists, toy_items(), fmt)[0], add_special_tokens=False)["input_ids"])
+
+    def ids(ranking: list[int], words: list[str]) -> list[int]:
+        text = build_response(words, ranking, toy_items(), fmt=fmt, candidates=CANDIDATES) + f" {EOS}"
+        return tok.convert_tokens_to_ids(text.split())
+
+    own = ids([2, 1, 4, 3], ["because", "first", "likes"])
+
+    class Writer(Scripted):  # writes `own` after a prompt of this length
+        def forward(self, input_ids, position_ids=None, **kw):
+            return super().forward(input_ids, position_ids=position_ids - prompt_len + len(PROMPT), **kw)
+
+    scorer = Writer(own, len(tok))
+    same_words = ids([3, 4, 1, 2], ["because", "first", "likes"])  # another ranking after the same reasoning
+    other = ids([2, 1, 4, 3], ["likes", "likes", "because"])
+    nll = explanation_nll(scorer, tok, lists, toy_items(), fmt, [own, same_words, other, answer_ids(tok, [2, 1, 4, 3], ["because"])])
+    assert nll[0] < 0.01 and nll[1] == pytest.approx(nll[0]) and nll[2] > 1.0
+    assert np.isnan(nll[3])  # an answer-first response: no reasoning-first explanation to score
+    unclosed = own[:6]
+    assert np.isnan(explanation_nll(scorer, tok, lists.head(1), toy_items(), fmt, [unclosed]))[0]
