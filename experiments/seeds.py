@@ -7,8 +7,16 @@ the spread, to `reports/seeds.json` in the workspace:
 
     python experiments/seeds.py --root WORKSPACE --seeds 0 1 2
     python experiments/seeds.py --root WORKSPACE --seeds 1 2 --parallel 2 --threads 1   # two at once, one thread each
+    python experiments/seeds.py --root WORKSPACE --seeds 0 1 --recipe soft20 --set sft.train.decision_weight=20
 
-Each seed trains in `WORKSPACE/seeds/seed<S>/`: a folder whose `data` and
+A recipe (`--recipe NAME` with one or more `--set KEY=VALUE`, dotted keys of
+params.yaml, values read as YAML) trains the workspace's params with those
+changes, its seeds in `WORKSPACE/recipes/NAME/seed<S>/`, and writes
+`reports/seeds-NAME.json`; each of its seeds is also paired against the same
+seed of the workspace's own recipe where that seed's figures exist
+(`<metric>_vs_base` entries), so a lever is judged seed by seed.
+
+Each seed of the workspace's own recipe trains in `WORKSPACE/seeds/seed<S>/`: a folder whose `data` and
 `checkpoints/gr2-base` link to the workspace's, with the workspace's
 params.yaml where `sft.seed`, `sft.train.seed`, `ar_rl.seed` and
 `ar_rl.train.seed` are S, running `python -m tasks.sft` then
@@ -47,7 +55,7 @@ from gr2model.data import load_prepared
 from gr2model.rerank_eval import fixed_rankings, lm_rerank, rerank_examples
 from gr2model.rerank_format import ItemText
 from tasks.common import write_json_atomic
-from tasks.evaluate import add_intervals, scored
+from tasks.evaluate import add_intervals, paired_difference, scored
 from tasks.traces import load_format, load_lists
 
 MODELS = {"gr2-sft": Path("checkpoints/gr2-sft"), "gr2": Path("checkpoints/gr2")}
@@ -80,9 +88,52 @@ def seed_of_params(params: dict[str, Any]) -> int | None:
     return values.pop() if len(values) == 1 else None
 
 
-def prepare_seed_dir(root: Path, seed: int, params: dict[str, Any]) -> Path:
-    """WORKSPACE/seeds/seed<S>: links to the workspace's data and gr2-base, and the seeded params.yaml."""
-    work = root / "seeds" / f"seed{seed}"
+def parse_overrides(pairs: list[str], params: dict[str, Any]) -> dict[str, Any]:
+    """{dotted key: value} from `KEY=VALUE` strings, each key an existing leaf of `params`, each value read as YAML.
+
+    Raises SystemExit naming the offending pair before anything trains."""
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--set {pair!r}: expected KEY=VALUE, e.g. sft.train.decision_weight=20")
+        node: Any = params
+        for part in key.split("."):
+            if not isinstance(node, dict) or part not in node:
+                raise SystemExit(f"--set {pair!r}: params.yaml has no field {key!r} (no {part!r} there)")
+            node = node[part]
+        if isinstance(node, dict):
+            raise SystemExit(f"--set {pair!r}: {key!r} is a section, not a knob")
+        value = yaml.safe_load(raw)
+        if isinstance(node, float) and isinstance(value, str):
+            try:  # YAML 1.1 reads 1e-3 as a string; the knob is a float
+                value = float(value)
+            except ValueError:
+                raise SystemExit(f"--set {pair!r}: {key!r} is a number, not {raw!r}") from None
+        out[key] = value
+    return out
+
+
+def with_overrides(params: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """`params` (a deep copy) with each dotted key of `overrides` set."""
+    out = copy.deepcopy(params)
+    for key, value in overrides.items():
+        *path, leaf = key.split(".")
+        node = out
+        for part in path:
+            node = node[part]
+        node[leaf] = value
+    return out
+
+
+def seed_dir(root: Path, seed: int, recipe: str | None) -> Path:
+    """Where one seed trains: WORKSPACE/seeds/seed<S> for the workspace's own recipe, else WORKSPACE/recipes/<recipe>/seed<S>."""
+    return (root / "seeds" if recipe is None else root / "recipes" / recipe) / f"seed{seed}"
+
+
+def prepare_seed_dir(root: Path, seed: int, params: dict[str, Any], recipe: str | None = None) -> Path:
+    """The seed's folder (`seed_dir`): links to the workspace's data and gr2-base, and the seeded params.yaml."""
+    work = seed_dir(root, seed, recipe)
     (work / "checkpoints").mkdir(parents=True, exist_ok=True)
     for link, target in ((work / "data", root / "data"), (work / "checkpoints" / "gr2-base", root / "checkpoints" / "gr2-base")):
         if not link.is_symlink():
@@ -91,12 +142,13 @@ def prepare_seed_dir(root: Path, seed: int, params: dict[str, Any]) -> Path:
     return work
 
 
-def train_seed(root: Path, seed: int, params: dict[str, Any], threads: int, retrain: bool) -> Path:
+def train_seed(root: Path, seed: int, params: dict[str, Any], threads: int, retrain: bool, recipe: str | None = None) -> Path:
     """The folder holding this seed's gr2-sft and gr2, trained there unless they exist already."""
-    if seed_of_params(params) == seed and all((root / p).exists() for p in MODELS.values()) and not retrain:
+    own = recipe is None and seed_of_params(params) == seed
+    if own and all((root / p).exists() for p in MODELS.values()) and not retrain:
         print(f"seed {seed}: the workspace's own params; its checkpoints are reused", flush=True)
         return root
-    work = prepare_seed_dir(root, seed, params)
+    work = prepare_seed_dir(root, seed, params, recipe)
     env = {**os.environ, "GR2_TRACKING": "off", "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(root.resolve())}
     for stage, out in (("sft", MODELS["gr2-sft"]), ("ar_rl", MODELS["gr2"])):
         if (work / out).exists() and not retrain:
@@ -112,12 +164,19 @@ def train_seed(root: Path, seed: int, params: dict[str, Any], threads: int, retr
     return work
 
 
-def figures_path(root: Path, seed: int) -> Path:
+def figures_path(root: Path, seed: int, recipe: str | None = None) -> Path:
     """Where one seed's figures are kept, so a later call with more seeds decodes only the new ones."""
-    return root / "seeds" / f"seed{seed}" / "figures.json"
+    return seed_dir(root, seed, recipe) / "figures.json"
 
 
-def judge(root: Path, folders: dict[int, Path], splits: list[str], batch_size: int, max_new_tokens: int) -> dict[int, dict[str, dict[str, dict[str, Any]]]]:
+def ranks_path(root: Path, seed: int, recipe: str | None = None) -> Path:
+    """Where one seed's per-example ranks of the target are kept (for pairing a recipe against the base)."""
+    return seed_dir(root, seed, recipe) / "ranks.npz"
+
+
+def judge(
+    root: Path, folders: dict[int, Path], splits: list[str], batch_size: int, max_new_tokens: int, recipe: str | None = None
+) -> dict[int, dict[str, dict[str, dict[str, Any]]]]:
     """{seed: {split: {model: figures}}}: each seed's models decoded on every re-ranking example.
 
     A seed's figures are reused from `figures_path` when they were computed on the same
@@ -128,9 +187,10 @@ def judge(root: Path, folders: dict[int, Path], splits: list[str], batch_size: i
     lists = {s: rerank_examples(load_lists(root, s)) for s in splits}
     out: dict[int, dict[str, dict[str, dict[str, Any]]]] = {}
     for seed, folder in folders.items():
-        kept = figures_path(root, seed)
+        kept = figures_path(root, seed, recipe)
         newest = max((folder / p / "COMPLETE").stat().st_mtime for p in MODELS.values())
-        if kept.exists() and kept.stat().st_mtime > newest:
+        # Without the kept ranks a seed cannot be paired against another recipe: decode it again.
+        if kept.exists() and ranks_path(root, seed, recipe).exists() and kept.stat().st_mtime > newest:
             cached = {int(k): v for k, v in json.loads(kept.read_text()).items()}
             if seed in cached and sorted(cached[seed]) == sorted(splits):
                 out[seed] = cached[seed]
@@ -148,11 +208,32 @@ def judge(root: Path, folders: dict[int, Path], splits: list[str], batch_size: i
                 res = lm_rerank(model.eval(), tok, df, items, fmt, batch_size=batch_size, max_new_tokens=max_new_tokens, desc=f"seed {seed} {name} {split}")
                 results[name][split], ranks[name][split] = scored(res.parsed, df["target"].to_list())
         add_intervals(results, ranks, n_boot=2000, seed=0)
+        np.savez(ranks_path(root, seed, recipe), **{f"{name}/{split}": r for name, by in ranks.items() for split, r in by.items()})
         out[seed] = {split: {name: {k: results[name][split][k] for k in KEPT} for name in MODELS} for split in splits}
         kept.parent.mkdir(parents=True, exist_ok=True)
         write_json_atomic({str(seed): out[seed]}, kept)
         print(json.dumps({"seed": seed, **{s: {m: round(v["recall@1_vs_prerank"]["diff"], 4) for m, v in by.items()} for s, by in out[seed].items()}}), flush=True)
     return out
+
+
+def against_base(root: Path, recipe: str, per_seed: dict[int, dict[str, dict[str, dict[str, Any]]]], n_boot: int = 2000) -> list[int]:
+    """Add `recall@1_vs_base` and `ndcg@3_vs_base` (paired bootstrap, recipe minus base) to each
+    recipe seed's figures where the same seed of the workspace's own recipe kept its ranks; the
+    seeds so paired."""
+    paired = []
+    for seed, by_split in per_seed.items():
+        base_file, own_file = ranks_path(root, seed), ranks_path(root, seed, recipe)
+        if not (base_file.exists() and own_file.exists()):
+            continue
+        base, own = np.load(base_file), np.load(own_file)
+        for split, by_model in by_split.items():
+            for model, fig in by_model.items():
+                key = f"{model}/{split}"
+                if key in base and key in own:
+                    for metric in ("recall@1", "ndcg@3"):
+                        fig[f"{metric}_vs_base"] = paired_difference(own[key], base[key], metric, n_boot=n_boot, seed=0)
+        paired.append(seed)
+    return paired
 
 
 def spread(per_seed: dict[int, dict[str, dict[str, dict[str, Any]]]]) -> dict[str, dict[str, dict[str, dict[str, float]]]]:
@@ -180,26 +261,44 @@ def main() -> None:
     p.add_argument("--splits", default="valid,test")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--max-new-tokens", type=int, default=320)
+    p.add_argument("--recipe", help="a name for the params changed by --set; its seeds train in WORKSPACE/recipes/NAME/")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="a params.yaml knob changed for this recipe (repeatable)")
     a = p.parse_args()
     root = a.root.resolve()
     if not (root / "checkpoints" / "gr2-base").exists():
         raise SystemExit(f"{root / 'checkpoints' / 'gr2-base'}: no such checkpoint; run `gr2 run --stage midtrain` in the workspace first")
-    params = yaml.safe_load((root / "params.yaml").read_text())
+    if bool(a.recipe) != bool(a.overrides):
+        raise SystemExit("--recipe NAME and --set KEY=VALUE go together: a recipe is the workspace's params with some knobs changed")
+    if a.recipe and not a.recipe.replace("-", "").replace("_", "").isalnum():
+        raise SystemExit(f"--recipe {a.recipe!r}: letters, digits, '-' and '_' only (it names a folder)")
+    base_params = yaml.safe_load((root / "params.yaml").read_text())
+    overrides = parse_overrides(a.overrides, base_params)
+    params = with_overrides(base_params, overrides)
     with ThreadPoolExecutor(max_workers=a.parallel) as pool:
-        folders = dict(zip(a.seeds, pool.map(lambda s: train_seed(root, s, params, a.threads, a.retrain), a.seeds)))
-    per_seed = judge(root, folders, a.splits.split(","), a.batch_size, a.max_new_tokens)
+        folders = dict(zip(a.seeds, pool.map(lambda s: train_seed(root, s, params, a.threads, a.retrain, a.recipe), a.seeds)))
+    per_seed = judge(root, folders, a.splits.split(","), a.batch_size, a.max_new_tokens, a.recipe)
+    paired = against_base(root, a.recipe, per_seed) if a.recipe else []
     report = {
+        "recipe": a.recipe,
+        "overrides": overrides,
+        "paired_with_base": paired,
         "seeds": {str(s): v for s, v in per_seed.items()},
         "spread": spread(per_seed),
         "folders": {str(s): str(f) for s, f in folders.items()},
         "command": " ".join(["python", "experiments/seeds.py", *sys.argv[1:]]),
     }
-    write_json_atomic(report, root / REPORT)
-    print(f"written: {root / REPORT}", flush=True)
+    out = root / (REPORT if a.recipe is None else REPORT.with_name(f"seeds-{a.recipe}.json"))
+    write_json_atomic(report, out)
+    print(f"written: {out}", flush=True)
     for split, by_model in report["spread"].items():
         for model, m in by_model.items():
             r = m["recall@1_vs_prerank"]
             print(f"{split} {model}: R@1 - prerank mean {r['mean']:+.4f}, min {r['min']:+.4f}, max {r['max']:+.4f}, range {m['recall@1']['range']:.4f}")
+    for seed in paired:
+        for split, by_model in per_seed[seed].items():
+            for model, fig in by_model.items():
+                d = fig["recall@1_vs_base"]
+                print(f"seed {seed} {split} {model}: R@1 - base {d['diff']:+.4f} [{d['ci95'][0]:+.4f}, {d['ci95'][1]:+.4f}]")
 
 
 if __name__ == "__main__":

@@ -4,7 +4,19 @@ from __future__ import annotations
 
 import pytest
 
-from experiments.seeds import SEED_KEYS, seed_of_params, seeded_params, spread
+import numpy as np
+
+from experiments.seeds import (
+    SEED_KEYS,
+    against_base,
+    parse_overrides,
+    ranks_path,
+    seed_dir,
+    seed_of_params,
+    seeded_params,
+    spread,
+    with_overrides,
+)
 
 
 def test_seeded_params_set_every_seed_and_leave_the_rest() -> None:
@@ -32,3 +44,35 @@ def test_spread_over_seeds() -> None:
     assert s["recall@1"]["min"] == 0.33 and s["recall@1"]["max"] == 0.345
     assert s["recall@1"]["range"] == pytest.approx(0.015)
     assert s["recall@1_vs_prerank"]["mean"] == pytest.approx(0.055 / 3)
+
+
+def test_overrides_name_the_field_and_change_only_a_copy() -> None:
+    params = {"sft": {"seed": 0, "train": {"decision_weight": 0.0, "lr": 0.002}}}
+    over = parse_overrides(["sft.train.decision_weight=20", "sft.train.lr=1e-3"], params)
+    assert over == {"sft.train.decision_weight": 20, "sft.train.lr": 0.001}
+    out = with_overrides(params, over)
+    assert out["sft"]["train"] == {"decision_weight": 20, "lr": 0.001}
+    assert params["sft"]["train"]["decision_weight"] == 0.0  # a copy
+    with pytest.raises(SystemExit, match="no field 'sft.train.decision_wieght'"):
+        parse_overrides(["sft.train.decision_wieght=20"], params)
+    with pytest.raises(SystemExit, match="a section"):
+        parse_overrides(["sft.train=1"], params)
+    with pytest.raises(SystemExit, match="KEY=VALUE"):
+        parse_overrides(["sft.train.lr"], params)
+
+
+def test_a_recipe_seed_is_paired_against_the_same_base_seed(tmp_path) -> None:
+    # 0-based ranks of the target on 6 examples: the recipe moves two targets to first place.
+    base = np.array([0, 1, 2, 0, 1, 3])
+    own = np.array([0, 0, 2, 0, 0, 3])
+    for recipe, ranks in ((None, base), ("soft", own)):
+        seed_dir(tmp_path, 0, recipe).mkdir(parents=True)
+        np.savez(ranks_path(tmp_path, 0, recipe), **{"gr2/test": ranks})
+    per_seed = {0: {"test": {"gr2": {}}}, 1: {"test": {"gr2": {}}}}  # seed 1 has no base ranks
+    assert against_base(tmp_path, "soft", per_seed, n_boot=200) == [0]
+    d = per_seed[0]["test"]["gr2"]["recall@1_vs_base"]
+    assert d["diff"] == pytest.approx(2 / 6)
+    assert d["ci95"][0] <= d["diff"] <= d["ci95"][1]
+    assert per_seed[0]["test"]["gr2"]["ndcg@3_vs_base"]["diff"] > 0
+    assert per_seed[1]["test"]["gr2"] == {}
+    assert seed_dir(tmp_path, 2, "soft") == tmp_path / "recipes" / "soft" / "seed2"
