@@ -15,6 +15,7 @@ from __future__ import annotations
 import random
 
 import polars as pl
+import pytest
 from gr2model.ar_decode import ar_generate
 from gr2model.rerank_format import FormatConfig, ItemText, build_prompt, build_response, parse_response
 from gr2model.sft import SFTConfig, train_sft
@@ -75,6 +76,7 @@ def _valid_permutation_rate(answer: str, rest: str) -> float:
     return sum(p.valid_permutation for p in parsed) / len(parsed)
 
 
+@pytest.mark.slow  # ~35 s of training three recipes
 def test_chosen_recipe_writes_valid_permutations_where_the_old_one_did_not() -> None:
     # Measured with this budget: index+incoming 1.0, sid+sampled 0.0, sid+incoming 0.0
     # ("out of set": ids mixed from different items), index+sampled (fewer epochs) ~0.

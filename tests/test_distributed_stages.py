@@ -176,6 +176,7 @@ def test_a_single_process_stage_refuses_to_run_under_a_launcher(tmp_path: Path) 
     assert "stage prepare runs in one process" in proc.stderr
 
 
+@pytest.mark.slow  # ~35 s: `accelerate launch` itself starts slowly
 def test_accelerate_without_multi_gpu_is_an_error_not_one_silent_process(tmp_path: Path) -> None:
     """`accelerate launch --num_processes 2` alone starts one process (its simple launcher): the
     stage says so instead of running as if it had two."""

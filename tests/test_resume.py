@@ -53,9 +53,10 @@ def run_worker(kind: str, state: Path, out: Path, kill_after: int, every_steps: 
     ("kind", "kill_after", "every_steps", "resumed_from"),
     [
         ("sft", 5, 2, 4),    # epoch 2 of 3, one batch of it done: the order is replayed mid-epoch
-        ("dapo", 4, 3, 3),   # the prompt stream and both generators carried over
+        # dapo and rl (~15 s each) are `slow`: sft and cft keep the same resume machinery in the default suite
+        pytest.param("dapo", 4, 3, 3, marks=pytest.mark.slow),  # the prompt stream and both generators carried over
         ("cft", 7, 3, 6),    # per-example noise, a step validation (valid_every=4) before the kill
-        ("rl", 3, 2, 2),     # diffusion RL: decode noise and replayed trajectories
+        pytest.param("rl", 3, 2, 2, marks=pytest.mark.slow),  # diffusion RL: decode noise and replayed trajectories
     ],
 )
 def test_sigkill_then_rerun_equals_an_uninterrupted_run(
@@ -91,7 +92,7 @@ def _saved_loop_state(state: Path) -> tuple[int, dict[str, Any]]:
     return step, torch.load(folder / "loop_state_0.pt", weights_only=False)
 
 
-@pytest.mark.parametrize("case", ["mid_epoch", "between_best_and_stop"])
+@pytest.mark.parametrize("case", ["mid_epoch", pytest.param("between_best_and_stop", marks=pytest.mark.slow)])  # ~20 s each
 def test_sasrec_sigkill_then_rerun_equals_an_uninterrupted_run(case: str, tmp_path: Path) -> None:
     """`train_sasrec` with early stopping, SIGKILLed mid-epoch (epoch 2: the sampler's
     generator has drawn an order before), or after its best epoch and before early

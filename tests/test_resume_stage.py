@@ -114,6 +114,7 @@ def retrieve_workspace(path: Path) -> Path:
     return path
 
 
+@pytest.mark.slow  # ~25 s; the sft stage's resume above runs by default
 def test_killed_retrieve_stage_resumes_each_sasrec_run_and_matches_an_uninterrupted_run(tmp_path: Path) -> None:
     """retrieve trains SASRec three times (the final model, then one per cross-fit fold),
     each a loop with its own states. Killed right after the first save of fold 1 (mid
