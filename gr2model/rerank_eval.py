@@ -23,7 +23,7 @@ from gr2model.constrained import ResponseGrammar, answer_template, check_covered
 from gr2model.dapo import sequence_logprobs
 from gr2model.diffusion_decode import check_sub_block_size, diffusion_generate
 from gr2model.speculative import Drafter, SpeculativeDecodeOutput, diffusion_drafter, speculative_generate
-from gr2model.rerank_format import EXPLANATION_KEY, FormatConfig, ItemText, ParsedResponse, build_prompt, evidence_of, parse_response
+from gr2model.rerank_format import REASONING_FIRST_OPENING, FormatConfig, ItemText, ParsedResponse, build_prompt, evidence_of, parse_response
 from gr2model.tokenizer import single_token_id, special_ids
 
 log = logging.getLogger(__name__)
@@ -252,7 +252,7 @@ def explanation_nll(
 
 def explanation_opening_ids(tok) -> list[int]:
     """The ids of `{ "explanation" : "`, the opening of a reasoning-first response."""
-    return [single_token_id(tok, t) for t in ("{", EXPLANATION_KEY, ":", '"')]
+    return [single_token_id(tok, t) for t in REASONING_FIRST_OPENING]
 
 
 def explanation_bounds(seq: Sequence[int], fmt: FormatConfig, k: int, opening: Sequence[int], quote: int) -> tuple[int, int] | None:

@@ -115,6 +115,11 @@ SPECIAL_TOKENS: tuple[str, ...] = (PAD, UNK, BOS, EOS, USER, ASSISTANT, MASK)
 
 EXPLANATION_KEY = '"explanation"'
 RECOMMENDATIONS_KEY = '"recommendations"'
+# `"explanation" : "`: how the explanation member opens, and with the object's brace how a
+# reasoning-first response opens (the prefix a no-reasoning decode is forced through and the
+# point from which GR2's NLL of the reasoning is read).
+EXPLANATION_OPENING: tuple[str, ...] = (EXPLANATION_KEY, ":", '"')
+REASONING_FIRST_OPENING: tuple[str, ...] = ("{", *EXPLANATION_OPENING)
 JSON_TOKENS: tuple[str, ...] = ("{", "}", "[", "]", ":", ",", '"', EXPLANATION_KEY, RECOMMENDATIONS_KEY)
 PROMPT_WORDS: tuple[str, ...] = ("history", "candidates", "(", ")")
 SID_LEVELS: tuple[str, ...] = ("a", "b", "c", "d")
@@ -458,7 +463,7 @@ def build_response(
         if candidates is None:
             raise ValueError("the index answer format needs the candidates (incoming order)")
         position = {int(c): k for k, c in enumerate(candidates, start=1)}
-    explanation = [EXPLANATION_KEY, ":", '"', *explanation_tokens, '"']
+    explanation = [*EXPLANATION_OPENING, *explanation_tokens, '"']
     recommendations = [RECOMMENDATIONS_KEY, ":", "["]
     for i, item in enumerate(ranking):
         if i:
@@ -485,7 +490,7 @@ def no_reasoning_prefix(fmt: FormatConfig) -> str:
     """
     if fmt.answer_first:
         raise ValueError("an answer-first response writes its ranking before the explanation: blanking the explanation changes no ranking")
-    return " ".join(["{", EXPLANATION_KEY, ":", '"', '"', ","])
+    return " ".join([*REASONING_FIRST_OPENING, '"', ","])
 
 
 def build_full_text(prompt: str, response: str) -> str:
