@@ -25,8 +25,9 @@ import time
 import urllib.error
 import urllib.request
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -212,6 +213,17 @@ def bench_serve(
 
     config = Model.load(str(model_dir)).flavors.get("python_function", {}).get("model_config") or {}
     limits = ServeLimits.from_model_config(config)
+    with served(model_dir, log_path) as (url, proc):
+        mix = request_mix(rows, limits, requests, bad_share, max_new_tokens, seed)
+        report = run_load(url, mix, concurrency)
+        report.alive_after = report.alive_after and proc.poll() is None
+        return report
+
+
+@contextmanager
+def served(model_dir: Path, log_path: Path | None = None) -> Iterator[tuple[str, subprocess.Popen]]:
+    """`gr2 serve model_dir` on a free loopback port: yields (its base URL, once /ping answers; the process),
+    and stops it by its process group whatever happens. RuntimeError when it exits or stays silent."""
     port = free_port()
     gr2 = Path(sys.executable).parent / "gr2"
     if log_path:
@@ -233,10 +245,7 @@ def bench_serve(
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"gr2 serve did not answer within {STARTUP_TIMEOUT_S} s") from None
                 time.sleep(0.3)
-        mix = request_mix(rows, limits, requests, bad_share, max_new_tokens, seed)
-        report = run_load(url, mix, concurrency)
-        report.alive_after = report.alive_after and proc.poll() is None
-        return report
+        yield url, proc
     finally:
         stop(proc)
         if log_path:

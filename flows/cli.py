@@ -274,6 +274,22 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     return 0 if report.passed else 1
 
 
+def cmd_serve_check(args: argparse.Namespace) -> int:
+    """Exit 0: every served ranking equals the evaluate row's; 1: some differ; 2: the check cannot be made."""
+    from flows.serve_check import ServeCheckError, serve_check
+    from tasks.tracking import configure
+
+    root = Path(args.root).resolve()
+    configure(root)
+    try:
+        report = serve_check(root, args.model, split=args.split, examples=args.examples, batch=args.batch, log_path=root / ".gr2" / "serve-check.log")
+    except (ServeCheckError, RuntimeError) as exc:
+        print(f"serve-check: {exc}", file=sys.stderr)
+        return 2
+    print(report.text())
+    return 0 if report.passed else 1
+
+
 def cmd_reproduce(args: argparse.Namespace) -> int:
     """Exit 0: reproduced; 1: not reproduced or not reproducible; 2: nothing to reproduce."""
     from flows.reproduce import ReproduceError, reproduce
@@ -474,6 +490,14 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--keep", action="store_true", help="keep the temporary worktree with the rebuilt outputs")
     rep.add_argument("--no-record", action="store_true", help="do not write the verdict as tags on the version")
     rep.set_defaults(fn=cmd_reproduce)
+
+    chk = sub.add_parser("serve-check", help="serve a version and check its rankings equal, list for list, those of the evaluate row its eval numbers came from")
+    chk.add_argument("model", help="MODEL@ALIAS (e.g. gr2@champion) or MODEL/VERSION")
+    chk.add_argument("--split", default="test", choices=["valid", "test"], help="whose lists (default test)")
+    chk.add_argument("--examples", type=int, default=64, help="the first N re-ranking lists of the split, in evaluate's order (default 64)")
+    chk.add_argument("--batch", type=int, default=16, help="lists per request (default 16)")
+    _root_after(chk)
+    chk.set_defaults(fn=cmd_serve_check)
 
     srv = sub.add_parser("serve", help="serve a registered version over HTTP (MLflow's scoring protocol) with its request caps")
     srv.add_argument("model", help="MODEL@ALIAS (e.g. gr2@champion), MODEL/VERSION, models:/..., or a model folder")

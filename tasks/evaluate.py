@@ -11,8 +11,9 @@ answer falls back to the incoming order and is counted). Then, unless
 diffusion model of `spec_drafter` drafts (speculative decoding, greedy), on the
 diffusion rows' examples; its answers are GR2's by construction and
 `equal_to_gr2_rate` checks it against the gr2 row's tokens. Writes
-`metrics/evaluate.json` as `{model: {split: {metric: value}}}` and
-`reports/evaluate.md`.
+`metrics/evaluate.json` as `{model: {split: {metric: value}}}`,
+`reports/evaluate.md`, and every LM row's ranking of every example in
+`reports/rankings.parquet` (what `gr2 serve-check` compares a served version with).
 
 Then the decode-speed benchmark (gr2model.bench) on the first `bench.examples`
 test examples: GR2 with both AR decoders against every diffusion model at each
@@ -31,8 +32,9 @@ from __future__ import annotations
 
 import json
 import logging
-from pathlib import Path
+import os
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
@@ -67,6 +69,9 @@ METRICS = Path("metrics/evaluate.json")
 REPORT = Path("reports/evaluate.md")
 SPEED = Path("metrics/speed.json")
 SPEED_REPORT = Path("reports/speed.md")
+# Every LM row's parsed ranking of every example (`write_rankings`): what a served version's answers are checked against.
+RANKINGS = Path("reports/rankings.parquet")
+RANKINGS_SCHEMA = {"row": pl.String, "split": pl.String, "example": pl.Int64, "user_id": pl.Int64, "ranking": pl.List(pl.Int64), "valid": pl.Boolean}
 # Model name in metrics/evaluate.json -> checkpoint folder (the contract in ARCHITECTURE.md).
 AR_MODELS: dict[str, Path] = {"gr2-sft": Path("checkpoints/gr2-sft"), "gr2": Path("checkpoints/gr2")}
 GR2 = AR_MODELS["gr2"]
@@ -518,6 +523,7 @@ def run(cfg: EvaluateConfig, root: Path, log: logging.Logger, tracker: StageTrac
 
     gr2_tokens: dict[str, list[list[int]]] = {}  # split -> the gr2 row's tokens, the spec row's reference
     firsts: dict[str, dict[str, list[int]]] = {}  # model -> split -> each example's first item (as parsed)
+    answers: dict[str, dict[str, Sequence[ParsedResponse]]] = {}  # row -> split -> the parsed answers (`write_rankings`)
     # GR2 scores every LM row's explanations (`explanation_nll`): how much they read like its own.
     scorer = None
     if (root / GR2).exists() and state.is_main_process:
@@ -533,6 +539,7 @@ def run(cfg: EvaluateConfig, root: Path, log: logging.Logger, tracker: StageTrac
             with timed(log, f"{row} on {name} ({df.height} examples)", timings, f"{row}_{name}_s"):
                 results[row][name], ranks[row][name], out = _decode_eval(row, model.to(state.device), tok, df, items, fmt, cfg, state=state, **how)
             firsts[row][name] = [p.ranking[0] for p in out.parsed]
+            answers.setdefault(row, {})[name] = out.parsed
             if scorer is not None and not how.get("response_prefix"):
                 with timed(log, f"{row} on {name}: explanations scored by GR2", timings, f"{row}_{name}_nll_s"):
                     nll = mean_explanation_nll(scorer, tok, df, items, fmt, out.sequences, batch_size=cfg.batch_size)
@@ -598,6 +605,7 @@ def run(cfg: EvaluateConfig, root: Path, log: logging.Logger, tracker: StageTrac
     sections = [ablation, ladder, spec_report(results, cfg.splits), report]
     write_text_atomic("# Re-ranking evaluation\n\n" + "\n\n".join(part for part in sections if part) + "\n", root / REPORT)
     tracker.log_artifact(root / REPORT)
+    write_rankings(answers, lists, root / RANKINGS)
     if models:
         with timed(log, "decode-speed benchmark", timings, "bench_s"):
             rows = run_bench(cfg, root, log, models, results)
@@ -607,6 +615,36 @@ def run(cfg: EvaluateConfig, root: Path, log: logging.Logger, tracker: StageTrac
     tracker.log_metrics(timings)
     write_html_report(root, results, log, tracker)
     return results
+
+
+def write_rankings(answers: dict[str, dict[str, Sequence[ParsedResponse]]], lists: dict[str, pl.DataFrame], path: Path) -> None:
+    """`path` (parquet, written atomically): one line per LM row, split and example, in the split's order of
+    re-ranking examples: `row`, `split`, `example` (0-based index), `user_id` (null for lists without one), `ranking` (the parsed answer,
+    the incoming order where it was invalid, as served) and `valid` (a valid permutation as written)."""
+    frames = [
+        pl.DataFrame(
+            {
+                "row": [row] * len(parsed),
+                "split": [split] * len(parsed),
+                "example": list(range(len(parsed))),
+                "user_id": lists[split]["user_id"].head(len(parsed)).to_list() if "user_id" in lists[split].columns else [None] * len(parsed),
+                "ranking": [[int(i) for i in p.ranking] for p in parsed],
+                "valid": [bool(p.valid_permutation) for p in parsed],
+            },
+            schema=RANKINGS_SCHEMA,
+        )
+        for row, by_split in answers.items()
+        for split, parsed in by_split.items()
+    ]
+    table = pl.concat(frames) if frames else pl.DataFrame(schema=RANKINGS_SCHEMA)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        table.write_parquet(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def write_html_report(root: Path, results: dict[str, dict[str, dict[str, Any]]], log: logging.Logger, tracker: StageTracker) -> None:
