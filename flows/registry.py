@@ -684,7 +684,7 @@ def _register(
 
 
 # ---------------------------------------------------------------------------
-# The speculative re-ranker: GR2 verifying a diffusion model's drafts (issue 13)
+# The speculative re-ranker: GR2 verifying a diffusion model's drafts
 
 SPEC_MODEL = "spec-gr2"
 # The stage that measures a (GR2, drafter) pair, its `spec-<drafter>` row (answers equal to GR2's)

@@ -51,7 +51,7 @@ PARAMS_FILE = "params.yaml"
 
 C = TypeVar("C", bound=BaseModel)
 
-# Ranges of the numeric params, carried in the schema (issue 16). Floats refuse NaN
+# Ranges of the numeric params, carried in the schema. Floats refuse NaN
 # and infinities: NaN passes no bound check, so a NaN lr would only show as a NaN loss.
 Count = Annotated[int, Field(ge=1)]
 """Sizes, steps, epochs, batch sizes: at least one."""

@@ -142,6 +142,7 @@ def trajectories_workspace(path: Path) -> Path:
     return path
 
 
+@pytest.mark.integration  # launches the stage on one and two processes
 def test_trajectories_stage_on_two_processes_writes_the_same_bytes(tmp_path: Path) -> None:
     one = trajectories_workspace(tmp_path / "one")
     two = run_on_one_and_two(one, "trajectories")
@@ -167,6 +168,7 @@ def test_launch_argv_runs_accelerate_and_torchrun_from_this_interpreter() -> Non
     assert requested_processes("accelerate launch --config_file configs/accelerate/1node-8gpu.yaml") is None
 
 
+@pytest.mark.integration  # runs a stage process under a launcher
 def test_a_single_process_stage_refuses_to_run_under_a_launcher(tmp_path: Path) -> None:
     """`prepare` writes its outputs from one process: under a launcher of 2 it stops with a clear error."""
     (tmp_path / "params.yaml").write_text((ROOT / "params.yaml").read_text())

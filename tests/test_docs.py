@@ -198,6 +198,7 @@ def test_every_readme_command_is_cheap_or_named_expensive() -> None:
     assert not unclassified, "README commands neither cheap (--help) nor in EXPENSIVE:\n" + "\n".join(unclassified)
 
 
+@pytest.mark.integration  # runs every cheap README command, each a gr2 process
 def test_cheap_readme_commands_run() -> None:
     """The `--help` commands run as written and exit 0 (from the venv's gr2 when it is there)."""
     cheap = [c for c in readme_commands() if "--help" in c]

@@ -391,6 +391,7 @@ def test_bad_param_exits_2_before_the_mlflow_run(
     assert f"params.yaml: {dotted}" in caplog.text
 
 
+@pytest.mark.integration  # a stage process with MLflow tracking on
 def test_negative_lr_fails_in_the_stage_process_with_tracking_on(tmp_path: Path) -> None:
     """The case that motivated the bounds: `retrieve.train.lr: -1` once ended in a torch traceback deep in training."""
     (tmp_path / "params.yaml").write_text(yaml.safe_dump({"retrieve": with_value("retrieve", "retrieve.train.lr", -1)}))

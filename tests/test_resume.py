@@ -49,6 +49,7 @@ def run_worker(kind: str, state: Path, out: Path, kill_after: int, every_steps: 
 # ------------------------------------------------------------------ SIGKILL, then resume
 
 
+@pytest.mark.integration  # starts a training process and SIGKILLs it
 @pytest.mark.parametrize(
     ("kind", "kill_after", "every_steps", "resumed_from"),
     [
@@ -92,6 +93,7 @@ def _saved_loop_state(state: Path) -> tuple[int, dict[str, Any]]:
     return step, torch.load(folder / "loop_state_0.pt", weights_only=False)
 
 
+@pytest.mark.integration  # starts a training process and SIGKILLs it
 @pytest.mark.parametrize("case", ["mid_epoch", pytest.param("between_best_and_stop", marks=pytest.mark.slow)])  # ~20 s each
 def test_sasrec_sigkill_then_rerun_equals_an_uninterrupted_run(case: str, tmp_path: Path) -> None:
     """`train_sasrec` with early stopping, SIGKILLed mid-epoch (epoch 2: the sampler's

@@ -54,6 +54,7 @@ def run_stage(ws: Path, kill_after_saves: int, stage: str = "sft", loop: str = "
     )
 
 
+@pytest.mark.integration  # runs the sft stage as a process, twice
 def test_killed_sft_stage_resumes_and_matches_an_uninterrupted_run(tmp_path: Path) -> None:
     killed_ws = sft_workspace(tmp_path / "killed")
     clean_ws = tmp_path / "clean"

@@ -1,4 +1,4 @@
-"""Request caps of the served re-rankers (issue 16): beyond a cap the answer is 400 (413 for the body), before any decoding.
+"""Request caps of the served re-rankers: beyond a cap the answer is 400 (413 for the body), before any decoding.
 
 The caps (`ServeLimits`: rows, history length, max_new_tokens, body bytes) come
 from params.yaml `serve:` into each version's model_config. The row, history
@@ -38,7 +38,7 @@ def test_history_cap() -> None:
     assert validate_rerank_input([{"history": list(range(1, 51)), "candidates": CANDS}], KNOWN, 10, limits)[0] == [list(range(1, 51))]
     msg = _refused(validate_rerank_input, [{"history": [1], "candidates": CANDS}, {"history": list(range(1, 52)), "candidates": CANDS}], KNOWN, 10, limits)
     assert "row 1: history: 51 items; at most 50" in msg and "row 0" not in msg
-    # The default cap refuses the issue's "2,000 times too long" history (default history_len 10).
+    # The default cap refuses a history 2,000 times too long (default history_len 10).
     msg = _refused(validate_rerank_input, [{"history": [1] * 20_000, "candidates": CANDS}], KNOWN, 10)
     assert "row 0: history: 20000 items; at most 1000" in msg
 

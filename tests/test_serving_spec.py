@@ -1,4 +1,4 @@
-"""The speculative re-ranker `spec-gr2` in the registry (issue 13): bundled, traced to both sources, served, gated.
+"""The speculative re-ranker `spec-gr2` in the registry: bundled, traced to both sources, served, gated.
 
 One toy workspace for the module: GR2 (a random AR model over the toy task's
 tokenizer) and a drafter (a block-diffusion model with GR2's tokenizer and
@@ -28,6 +28,8 @@ from gr2model.checkpoint import save_hf_checkpoint
 from gr2model.rerank_format import FormatConfig
 
 from tiny import TOY_CANDIDATES, items_table, randomize, toy_model, toy_tokenizer
+
+pytestmark = pytest.mark.integration  # the registry's functions and MLflow's scoring app, for real
 
 GR2_MD5, DRAFTER_MD5 = "9a1b.dir", "d4e5.dir"  # the checkpoints' DVC hashes in the fake dvc.lock
 DRAFT_LEN, DRAFT_STEPS = 3, 2
