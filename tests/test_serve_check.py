@@ -10,6 +10,7 @@ import polars as pl
 import pytest
 import yaml
 
+from flows.decoder_setting import DecoderSetting
 from flows.serve_check import RANKINGS, ServeCheck, ServeCheckError, check_rankings_file, differences, evaluated_rankings, version_row
 from gr2model.rerank_format import ParsedResponse
 from tasks.evaluate import RANKINGS as EVALUATE_RANKINGS
@@ -18,8 +19,6 @@ from tasks.evaluate import write_rankings
 
 
 def test_the_version_names_its_row_only_when_its_numbers_are_sound() -> None:
-    from flows.registry import DecoderSetting
-
     label = DecoderSetting(decoder="ar").label()
     good = {**DecoderSetting(decoder="ar").tags(), "checkpoint_md5": "abc", "eval.model": "gr2", "eval.checkpoint_md5": "abc", "eval.setting": label}
     assert version_row(good) == ("gr2", label)
