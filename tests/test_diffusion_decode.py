@@ -8,10 +8,10 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from gr2model.ar_decode import ar_generate
-from gr2model.block_diffusion import block_causal_mask
-import gr2model.diffusion_decode as dd
-from gr2model.diffusion_decode import DiffusionDecodeOutput, commit_mask, diffusion_generate, propose
+from gr2model.decoding.ar_decode import ar_generate
+from gr2model.models.block_diffusion import block_causal_mask
+import gr2model.decoding.diffusion_decode as dd
+from gr2model.decoding.diffusion_decode import DiffusionDecodeOutput, commit_mask, diffusion_generate, propose
 
 from tiny import EOS, NO_EOS, PAD, VOCAB
 
@@ -522,10 +522,10 @@ def test_sub_block_cache_needs_the_cache(model, prompts, mask_id) -> None:
 def test_benchmark_has_sub_block_rows() -> None:
     import polars as pl
 
-    from gr2model.bench import decode_benchmark, speed_table
-    from gr2model.block_diffusion import convert_to_block_diffusion
-    from gr2model.rerank_format import FormatConfig
-    from gr2model.rerank_eval import decoder_kwargs
+    from gr2model.eval.bench import decode_benchmark, speed_table
+    from gr2model.models.block_diffusion import convert_to_block_diffusion
+    from gr2model.task.rerank_format import FormatConfig
+    from gr2model.eval.rerank_eval import decoder_kwargs
 
     from tiny import TOY_CANDIDATES, toy_items, toy_model, toy_tokenizer
 
