@@ -42,7 +42,7 @@ cached: inside the block attention is bidirectional, so its keys/values above
 the first layer depend on the current sub-block's tokens, which change every
 step; caching them would change the outputs and break the exact replay.
 `sub_block_cache=True` takes that approximation (Fast-dLLM v2's sub-block
-cache, `_CachedForward._window_forward`): the first step of a sub-block
+cache, `CachedForward._window_forward`): the first step of a sub-block
 forwards the whole block, and its later steps forward only the sub-block (and
 the position before it, whose query predicts the sub-block's first position),
 reading the rest of the block from the keys/values of that whole forward. The
@@ -229,7 +229,7 @@ def check_sub_block_size(block_size: int, sub_block_size: int | None) -> None:
         raise ValueError(f"sub_block_size must be >= 1 and divide block_size {block_size}, got {sub_block_size}")
 
 
-class _WritePlan:
+class WritePlan:
     """Where the current forward writes its keys/values, shared by all cache layers.
 
     `start` set: every row writes its q new slots at columns [start, start + q)
@@ -243,7 +243,7 @@ class _WritePlan:
         self.width = 0
 
 
-class _RaggedLayer(CacheLayerMixin):
+class RaggedLayer(CacheLayerMixin):
     """One layer's keys and values in (N, H, max_len, D) buffers, written where the plan says.
 
     Unlike `ar_decode._PreallocatedLayer` the rows may write at different
@@ -254,7 +254,7 @@ class _RaggedLayer(CacheLayerMixin):
 
     is_sliding = False
 
-    def __init__(self, max_len: int, plan: _WritePlan) -> None:
+    def __init__(self, max_len: int, plan: WritePlan) -> None:
         super().__init__()
         self.max_len = max_len
         self.plan = plan
@@ -327,7 +327,7 @@ def attention_mask_or_none(unmasked: dict | None, mask: torch.Tensor) -> tuple[t
     return mask, {}
 
 
-class _CachedForward:
+class CachedForward:
     """The logits of each step with the ragged block KV cache (see the module docstring).
 
     Per row it keeps `kept[r]`, the number of cache columns holding its prompt
@@ -351,9 +351,9 @@ class _CachedForward:
         # Largest column ever written: kept <= prompt + span - B, plus 2B slots
         # (3B with the sub-block cache: a window row's dummy slots go after its block).
         max_len = self.prompt_len + span + block_size * (2 if sub_block_cache else 1)
-        self.plan = _WritePlan()
+        self.plan = WritePlan()
         self.cache = Cache(
-            layers=[_RaggedLayer(max_len, self.plan) for _ in range(model.config.num_hidden_layers)]
+            layers=[RaggedLayer(max_len, self.plan) for _ in range(model.config.num_hidden_layers)]
         )
         self.slot_pos = torch.zeros((rows, max_len), dtype=torch.long, device=device)
         self.slot_valid = torch.zeros((rows, max_len), dtype=torch.bool, device=device)
@@ -611,7 +611,7 @@ class _RecomputeForward:
         self, resp: torch.Tensor, start: torch.Tensor, plen: torch.Tensor, ctx: torch.Tensor | None,
         ctx_list: list[bool] | None, win: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """(N, W, V) logits, as `_CachedForward.__call__` (ctx is not needed without a cache)."""
+        """(N, W, V) logits, as `CachedForward.__call__` (ctx is not needed without a cache)."""
         bsz = self.block_size
         rows, prompt_len = self.ids.shape
         span = int(start.max()) + bsz
@@ -911,7 +911,7 @@ def _commit(
 
 def _retire(
     new_tok: torch.Tensor, committed: torch.Tensor, w: _Window, st: _Rows, done_rows: _Done,
-    forward: _CachedForward | _RecomputeForward, eos_id: int, block_size: int, max_new_tokens: int,
+    forward: CachedForward | _RecomputeForward, eos_id: int, block_size: int, max_new_tokens: int,
 ) -> tuple[torch.Tensor, list[bool]] | None:
     """Step 5: move rows that completed their block to the next one, and rows that are done out of the batch.
 
@@ -1079,7 +1079,7 @@ def diffusion_generate(
             rebuild these steps (it replays exact canvases). Needs use_cache.
     Each step of the loop: `_window` (which positions of each row's active
     block may be committed and whose logits are needed), the forward
-    (`_CachedForward` or `_RecomputeForward`), `_propose_step` (a token and its
+    (`CachedForward` or `_RecomputeForward`), `_propose_step` (a token and its
     confidence per position, under the grammar if any), `_commit` (the
     threshold rule and the grammar's consistency, written into the rows'
     state), `_retire` (rows that completed a block move to the next, rows that
@@ -1103,9 +1103,9 @@ def diffusion_generate(
     bsz = block_size
     span = math.ceil(max_new_tokens / bsz) * bsz
     blocks = _plan_blocks(bsz, sub_block_size, explanation_sub_block_size, grammar, sub_block_cache, device)
-    forward: _CachedForward | _RecomputeForward
+    forward: CachedForward | _RecomputeForward
     if use_cache:
-        forward = _CachedForward(model, ids, attn, bsz, span, mask_id, sub_block_cache)
+        forward = CachedForward(model, ids, attn, bsz, span, mask_id, sub_block_cache)
     else:
         forward = _RecomputeForward(model, ids, attn, bsz)
     st = _Rows(
@@ -1134,7 +1134,7 @@ def diffusion_generate(
         if w.sub is None:
             logits = forward(st.resp, st.start, st.plen, ctx, ctx_list, w.win)
         else:
-            assert isinstance(forward, _CachedForward)
+            assert isinstance(forward, CachedForward)
             logits = forward(st.resp, st.start, st.plen, ctx, ctx_list, w.win, sub=w.sub)
         step = nfe
         nfe += 1

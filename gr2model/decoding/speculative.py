@@ -23,7 +23,7 @@ forward. Each round, per active row:
 
 Why the AR cache is ragged: rows accept different numbers of tokens, and HF's
 `Cache.crop` removes the same number of columns from every row. So the AR
-cache reuses the block decoder's ragged cache (`_RaggedLayer`, `_WritePlan`):
+cache reuses the block decoder's ragged cache (`RaggedLayer`, `WritePlan`):
 each row writes its verify chunk after its own kept columns, every slot has a
 position id and a validity flag, and the mask is the causal mask of the
 position ids (`block_diffusion_mask` with block size 1). Rolling a row back is
@@ -34,7 +34,7 @@ d_1), so the prefill covers the prompt minus its last token and no AR forward
 is spent on a token nobody drafted.
 
 Why the diffusion drafter needs no rollback: it reuses the block decoder's
-cache (`diffusion_decode._CachedForward`), which only ever holds the prompt
+cache (`diffusion_decode.CachedForward`), which only ever holds the prompt
 and finished blocks, i.e. blocks whose B tokens are all accepted. The active
 block (accepted tokens of it, then mask tokens) is recomputed by every draft
 forward anyway, as in block-diffusion decoding, so a rejected draft just turns
@@ -82,7 +82,7 @@ from gr2model.models.block_diffusion import block_diffusion_mask, block_diffusio
 # The block decoder's cache pieces, reused rather than copied: the drafter's
 # forward is exactly its cached forward, and the AR verifier needs the same
 # per-row write columns.
-from gr2model.decoding.diffusion_decode import _CachedForward, _RaggedLayer, _WritePlan, attention_mask_or_none, no_mask_mapping
+from gr2model.decoding.diffusion_decode import CachedForward, RaggedLayer, WritePlan, attention_mask_or_none, no_mask_mapping
 
 __all__ = [
     "Draft",
@@ -329,7 +329,7 @@ class DiffusionDrafter:
         # One extra block: a row may accept up to max_new_tokens tokens and the
         # canvas of its active block must still fit.
         self.span = (math.ceil(max_new_tokens / bsz) + 1) * bsz
-        self.forward = _CachedForward(self.model, ids, attention_mask, bsz, self.span, self.mask_id)
+        self.forward = CachedForward(self.model, ids, attention_mask, bsz, self.span, self.mask_id)
         self.plen = attention_mask.sum(-1)
         self.start = torch.zeros(ids.shape[0], dtype=torch.long, device=ids.device)  # active block's first position
         self.prefilled = False
@@ -621,8 +621,8 @@ class _AcceptedKVCache:
 
     def __init__(self, model: PreTrainedModel, rows: int, max_len: int, device: torch.device) -> None:
         self.model = model
-        self.plan = _WritePlan()
-        self.cache = Cache(layers=[_RaggedLayer(max_len, self.plan) for _ in range(model.config.num_hidden_layers)])
+        self.plan = WritePlan()
+        self.cache = Cache(layers=[RaggedLayer(max_len, self.plan) for _ in range(model.config.num_hidden_layers)])
         self.slot_pos = torch.zeros((rows, max_len), dtype=torch.long, device=device)
         self.slot_valid = torch.zeros((rows, max_len), dtype=torch.bool, device=device)
         self.kept = torch.zeros(rows, dtype=torch.long, device=device)

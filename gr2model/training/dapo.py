@@ -445,7 +445,9 @@ def start_policy_run(
 
 
 @dataclass
-class _Rollout:
+class Rollout:
+    """One rollout kept for the update: its prompt, completion, reward and group-relative advantage."""
+
     prompt_index: int
     completion: list[int]
     reward: float
@@ -465,7 +467,7 @@ extra) pairs, prompt-major; `PolicyRun.row_generators(keys, G)` gives the rows' 
 class _StepSamples:
     """One step's rollouts after dynamic sampling, and the tallies of every sampled one."""
 
-    kept: list[_Rollout]
+    kept: list[Rollout]
     rewards: list[float]
     lengths: list[int]
     truncated: int
@@ -523,7 +525,7 @@ def sample_step(
                 for j in range(G):
                     seq, extra = completions[g * G + j]
                     key = (out.rounds, slots[g], j)
-                    out.kept.append(_Rollout(mine[g], seq, float(rewards[g, j]), float(adv[g, j]), extra, key))
+                    out.kept.append(Rollout(mine[g], seq, float(rewards[g, j]), float(adv[g, j]), extra, key))
         # Every process must agree on whether to draw again.
         out.kept_groups = int(global_sum([len(out.kept) / G])[0])
         out.sampled_groups += len(drawn)
@@ -563,10 +565,10 @@ def update_policy(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     accelerator: Accelerator,
-    kept: list[_Rollout],
+    kept: list[Rollout],
     old: list[torch.Tensor],
-    logprobs: Callable[[torch.nn.Module, list[_Rollout]], tuple[torch.Tensor, torch.Tensor]],
-    n_scored: Callable[[_Rollout], int],
+    logprobs: Callable[[torch.nn.Module, list[Rollout]], tuple[torch.Tensor, torch.Tensor]],
+    n_scored: Callable[[Rollout], int],
     *,
     minibatch_size: int,
     inner_epochs: int,
@@ -576,7 +578,7 @@ def update_policy(
     shuffle_gen: torch.Generator,
     pad_id: int,
     global_sum: Callable[[list[float]], list[float]],
-    split: Callable[[list[_Rollout]], list[list[int]]] | None = None,
+    split: Callable[[list[Rollout]], list[list[int]]] | None = None,
 ) -> tuple[dict[str, float], list[float]]:
     """`inner_epochs` passes of `dapo_loss` over shuffled minibatches, one optimizer step each.
 
@@ -757,7 +759,7 @@ def train_dapo(
         )
         return [(seq, None) for seq in out.sequences]
 
-    def logprobs(m: torch.nn.Module, chunk: list[_Rollout]) -> tuple[torch.Tensor, torch.Tensor]:
+    def logprobs(m: torch.nn.Module, chunk: list[Rollout]) -> tuple[torch.Tensor, torch.Tensor]:
         return sequence_logprobs(m, [prompts[r.prompt_index] for r in chunk], [r.completion for r in chunk], pad_id)
 
     history: list[dict[str, float]] = []

@@ -57,7 +57,7 @@ from gr2model.bounds import check
 from gr2model.training.dapo import (
     DAPOConfig,
     RewardFn,
-    _Rollout,
+    Rollout,
     sample_step,
     step_metrics,
     update_policy,
@@ -192,13 +192,13 @@ def train_diffusion_rl(
             decode_tally[1] += t.forwards
         return [(t.response, t) for t in trajs]
 
-    def logprobs(m: torch.nn.Module, chunk: list[_Rollout]) -> tuple[torch.Tensor, torch.Tensor]:
+    def logprobs(m: torch.nn.Module, chunk: list[Rollout]) -> tuple[torch.Tensor, torch.Tensor]:
         return replay_logprobs(
             m, [r.extra for r in chunk], block_size=block_size, mask_id=mask_id, pad_id=pad_id, include_tail=True,
             max_copies=cfg.max_copies,
         )
 
-    def split(chunk: list[_Rollout]) -> list[list[int]]:
+    def split(chunk: list[Rollout]) -> list[list[int]]:
         widths = [
             replay_columns(r.extra, block_size=block_size, include_tail=True, max_copies=cfg.max_copies) for r in chunk
         ]
