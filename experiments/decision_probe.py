@@ -42,13 +42,13 @@ import numpy as np
 import polars as pl
 import torch
 
-from gr2model.ar_model import count_parameters
-from gr2model.checkpoint import load_hf_checkpoint
-from gr2model.data import load_prepared
-from gr2model.metrics import ranking_metrics
-from gr2model.rerank_eval import prompts_of, rerank_examples
-from gr2model.rerank_format import FormatConfig, ItemText, build_response, pos_token
-from gr2model.sft import SFTConfig, train_sft
+from gr2model.models.ar_model import count_parameters
+from gr2model.models.checkpoint import load_hf_checkpoint
+from gr2model.data.dataset import load_prepared
+from gr2model.task.metrics import ranking_metrics
+from gr2model.eval.rerank_eval import prompts_of, rerank_examples
+from gr2model.task.rerank_format import FormatConfig, ItemText, build_response, pos_token
+from gr2model.training.sft import SFTConfig, train_sft
 from tasks.evaluate import add_intervals, load_teacher
 from tasks.midtrain import MidtrainConfig, build_model_and_tokenizer
 from tasks.traces import load_format, load_lists, user_folds_from_lists

@@ -8,7 +8,7 @@ run's AR loop, AR's tokens/s, tokens per forward, and the share of answers
 whose tokens (and rankings) equal the first setting's. A setting is
 `TAU:S:ETAU:ES[:cache]`: the answer's threshold and sub-block size, the
 explanation's threshold and sub-block size, and `cache` for the approximate
-sub-block cache (`gr2model.diffusion_decode`).
+sub-block cache (`gr2model.decoding.diffusion_decode`).
 
     python experiments/decode_sweep.py --root WORKSPACE 0.9:8:0.9:32 0.9:8:0.9:8 0.9:8:0.9:8:cache
 
@@ -21,9 +21,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from gr2model.ar_decode import ar_generate
-from gr2model.checkpoint import load_hf_checkpoint
-from gr2model.rerank_eval import decoder_kwargs, lm_rerank
+from gr2model.decoding.ar_decode import ar_generate
+from gr2model.models.checkpoint import load_hf_checkpoint
+from gr2model.eval.rerank_eval import decoder_kwargs, lm_rerank
 from tasks.evaluate import bench_inputs
 
 

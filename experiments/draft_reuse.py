@@ -25,9 +25,9 @@ import argparse
 from collections import Counter
 from pathlib import Path
 
-from gr2model.checkpoint import load_hf_checkpoint
-from gr2model.rerank_eval import lm_rerank, speculative_kwargs
-from gr2model.speculative import Draft, WindowDrafter
+from gr2model.models.checkpoint import load_hf_checkpoint
+from gr2model.eval.rerank_eval import lm_rerank, speculative_kwargs
+from gr2model.decoding.speculative import Draft, WindowDrafter
 from tasks.evaluate import bench_inputs
 
 

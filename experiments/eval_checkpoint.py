@@ -33,11 +33,11 @@ from pathlib import Path
 
 import numpy as np
 
-from gr2model.bench import row_forwards
-from gr2model.checkpoint import load_hf_checkpoint
-from gr2model.data import load_prepared
-from gr2model.rerank_eval import decoder_kwargs, fixed_rankings, lm_rerank, rerank_examples
-from gr2model.rerank_format import ItemText, no_reasoning_prefix
+from gr2model.eval.bench import row_forwards
+from gr2model.models.checkpoint import load_hf_checkpoint
+from gr2model.data.dataset import load_prepared
+from gr2model.eval.rerank_eval import decoder_kwargs, fixed_rankings, lm_rerank, rerank_examples
+from gr2model.task.rerank_format import ItemText, no_reasoning_prefix
 from tasks.evaluate import CI_METRICS, add_intervals, paired_difference, scored
 from tasks.traces import load_format, load_lists
 
@@ -52,7 +52,7 @@ def main() -> None:
     p.add_argument("--tau", type=float, default=0.9, help="commit threshold of a block-diffusion checkpoint")
     p.add_argument("--sub-block-size", type=int, default=None, help="its sub-block size (default: the whole block)")
     p.add_argument("--max-examples", type=int, default=0, help="first N examples per split (0: all)")
-    p.add_argument("--constrained", action="store_true", help="decode under the answer grammar (gr2model.constrained)")
+    p.add_argument("--constrained", action="store_true", help="decode under the answer grammar (gr2model.decoding.constrained)")
     p.add_argument("--explanation-tau", type=float, default=None, help="a diffusion checkpoint's threshold after the answer (needs --constrained)")
     p.add_argument("--explanation-sub-block-size", type=int, default=None, help="its sub-block size past the answer (needs --constrained)")
     p.add_argument("--sub-block-cache", action="store_true", help="decode a diffusion checkpoint with the approximate sub-block cache")

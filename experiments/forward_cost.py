@@ -29,8 +29,8 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
-from gr2model.checkpoint import load_hf_checkpoint
-from gr2model.diffusion_decode import no_mask_mapping
+from gr2model.models.checkpoint import load_hf_checkpoint
+from gr2model.decoding.diffusion_decode import no_mask_mapping
 
 
 def forward_ms(model: torch.nn.Module, context: int, size: int, repeats: int, seed: int = 0) -> float:

@@ -4,7 +4,7 @@ Two parts, each writing its numbers to $OUT/gpu_check.json as soon as it ends
 (one failing part does not lose the other's):
 
   a: the default profile's real models (GR2, and the diffusion checkpoints
-     exported next to it) through `gr2model.bench.decode_benchmark` on the GPU:
+     exported next to it) through `gr2model.eval.bench.decode_benchmark` on the GPU:
      tokens/s, tokens per forward and forward cost of AR, diffusion (tau 0.9 and
      0.7, whole block and sub-blocks of 8) and speculative rows, batch 1 and 16.
      It measures what the CPU benchmark's `projected_speedup` only assumes: that
@@ -57,8 +57,8 @@ SHAPES = {
 
 def export(ws: Path, out: Path, models: list[str]) -> None:
     """Write the test re-ranking examples, items, prompt format and `models`' checkpoints of workspace `ws` to `out`."""
-    from gr2model.data import load_prepared
-    from gr2model.rerank_eval import rerank_examples
+    from gr2model.data.dataset import load_prepared
+    from gr2model.eval.rerank_eval import rerank_examples
     from tasks.traces import load_format, load_lists
 
     out.mkdir(parents=True, exist_ok=True)
@@ -73,9 +73,9 @@ def export(ws: Path, out: Path, models: list[str]) -> None:
 
 def part_a(res: dict[str, Any], dev: str, n_examples: int, out: Path) -> None:
     """The real models' decode benchmark on `dev` (module docstring, part a)."""
-    from gr2model.bench import decode_benchmark, speed_table
-    from gr2model.checkpoint import load_hf_checkpoint
-    from gr2model.rerank_format import FormatConfig, ItemText
+    from gr2model.eval.bench import decode_benchmark, speed_table
+    from gr2model.models.checkpoint import load_hf_checkpoint
+    from gr2model.task.rerank_format import FormatConfig, ItemText
 
     items = ItemText(pl.read_parquet(DATA / "items.parquet"))
     fmt = FormatConfig(**json.loads((DATA / "format.json").read_text()))

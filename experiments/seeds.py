@@ -50,10 +50,10 @@ from typing import Any
 import numpy as np
 import yaml
 
-from gr2model.checkpoint import load_hf_checkpoint
-from gr2model.data import load_prepared
-from gr2model.rerank_eval import fixed_rankings, lm_rerank, rerank_examples
-from gr2model.rerank_format import ItemText
+from gr2model.models.checkpoint import load_hf_checkpoint
+from gr2model.data.dataset import load_prepared
+from gr2model.eval.rerank_eval import fixed_rankings, lm_rerank, rerank_examples
+from gr2model.task.rerank_format import ItemText
 from tasks.common import write_json_atomic
 from tasks.evaluate import add_intervals, paired_difference, scored
 from tasks.traces import load_format, load_lists

@@ -5,7 +5,7 @@ with GR2 verifying the drafter's drafts; batch 1 unless --batch-size, greedy),
 and one line: the mean speed ratio (and each pair's), AR's tokens/s, draft
 tokens accepted per round, and the share of answers equal to GR2's own. A
 setting is `MODE:LEN`, drafting mode ("block" or "window",
-`gr2model.speculative.diffusion_drafter`) and tokens per round, or
+`gr2model.decoding.speculative.diffusion_drafter`) and tokens per round, or
 `window:LEN:LO:HI`, a window whose length adapts per row: doubled (up to HI)
 after a round that accepted every draft, else the accepted count + 2 (at
 least LO), starting at LEN.
@@ -24,10 +24,10 @@ from pathlib import Path
 
 import torch
 
-from gr2model.ar_decode import ar_generate
-from gr2model.checkpoint import load_hf_checkpoint
-from gr2model.rerank_eval import lm_rerank, speculative_kwargs
-from gr2model.speculative import Draft, Drafter
+from gr2model.decoding.ar_decode import ar_generate
+from gr2model.models.checkpoint import load_hf_checkpoint
+from gr2model.eval.rerank_eval import lm_rerank, speculative_kwargs
+from gr2model.decoding.speculative import Draft, Drafter
 from tasks.evaluate import bench_inputs
 
 

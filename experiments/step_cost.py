@@ -32,9 +32,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from gr2model.ar_decode import ar_generate
-from gr2model.checkpoint import load_hf_checkpoint
-from gr2model.rerank_eval import decoder_kwargs, lm_rerank, speculative_kwargs
+from gr2model.decoding.ar_decode import ar_generate
+from gr2model.models.checkpoint import load_hf_checkpoint
+from gr2model.eval.rerank_eval import decoder_kwargs, lm_rerank, speculative_kwargs
 from tasks.evaluate import bench_inputs
 
 sys.path.insert(0, str(Path(__file__).parent))

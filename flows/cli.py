@@ -168,7 +168,7 @@ def cmd_workspace(args: argparse.Namespace) -> int:
 
 
 def cmd_data_download(args: argparse.Namespace) -> int:
-    from gr2model.data import download_raw
+    from gr2model.data.dataset import download_raw
 
     dest = Path(args.dest)
     download_raw(args.category, dest)
@@ -205,7 +205,7 @@ def cmd_promote(args: argparse.Namespace) -> int:
 
 def cmd_bench_decode(args: argparse.Namespace) -> int:
     """The decode-speed benchmark of `evaluate` on its own (needs checkpoints/gr2 and the diffusion checkpoints)."""
-    from gr2model.bench import speed_table
+    from gr2model.eval.bench import speed_table
     from tasks.common import load_stage_config
     from tasks.evaluate import CONFIG, GR2, SPEED, STAGE, run_bench
 

@@ -71,7 +71,7 @@ def _cross_stage_problems(path: Path, configs: dict[str, Any]) -> list[str]:
 
     - Sub-block sizes (evaluate's accuracy rows and explanation, OPD's and RL's rollouts) must divide
       the block size CFT gives the diffusion checkpoints (`cft.train.block_size`); otherwise the stage
-      would fail at its first decode (`gr2model.rerank_eval.decoder_kwargs`).
+      would fail at its first decode (`gr2model.eval.rerank_eval.decoder_kwargs`).
     - The bench's cached sub-block rows need their size among the bench's sub-block rows (which
       always include `evaluate.sub_block_size`, the served setting); otherwise `decode_benchmark`
       would fail at the end of evaluate.

@@ -138,12 +138,12 @@ class RetrieverModel(mlflow.pyfunc.PythonModel):
     """
 
     def load_context(self, context: Any) -> None:
-        from gr2model.retriever import load_retriever
+        from gr2model.retrieval.retriever import load_retriever
 
         self.scorer, self.spec = load_retriever(Path(context.artifacts["checkpoint"]))
 
     def predict(self, context: Any, model_input: pd.DataFrame, params: dict[str, Any] | None = None) -> pd.DataFrame:
-        from gr2model.scoring import top_k
+        from gr2model.retrieval.scoring import top_k
 
         histories = [list(map(int, h)) for h in model_input["history"]]
         bad = [i for i, h in enumerate(histories) if any(x < 1 or x > self.spec.num_items for x in h)]
@@ -295,7 +295,7 @@ def validate_rerank_evidence(model_input: Any, candidate_lists: list[list[int]],
     """
     import numpy as np
 
-    from gr2model.rerank_format import EVIDENCE_LEVELS
+    from gr2model.task.rerank_format import EVIDENCE_LEVELS
 
     rows = _as_records(model_input)
     sent = [r.get("evidence") is not None for r in rows]
@@ -451,8 +451,8 @@ class GR2Model(mlflow.pyfunc.PythonModel):
 
         import polars as pl
 
-        from gr2model.checkpoint import load_hf_checkpoint
-        from gr2model.rerank_format import FormatConfig, ItemText
+        from gr2model.models.checkpoint import load_hf_checkpoint
+        from gr2model.task.rerank_format import FormatConfig, ItemText
 
         self.model, self.tok = load_hf_checkpoint(Path(context.artifacts["checkpoint"]))
         self.items = ItemText(pl.read_parquet(context.artifacts["items"]))
@@ -469,7 +469,7 @@ class GR2Model(mlflow.pyfunc.PythonModel):
     def predict(self, context: Any, model_input: pd.DataFrame, params: dict[str, Any] | None = None) -> pd.DataFrame:
         import polars as pl
 
-        from gr2model.rerank_eval import lm_rerank
+        from gr2model.eval.rerank_eval import lm_rerank
 
         # Validate everything before decoding: a bad request is a 400 naming the row and field.
         histories, candidates = validate_rerank_input(model_input, self.items, self.num_candidates, self.limits)
@@ -494,7 +494,7 @@ class GR2Model(mlflow.pyfunc.PythonModel):
     def decoding(self, params: dict[str, Any]) -> dict[str, Any]:
         """The `lm_rerank` decoder arguments: the version's setting (the request's params cannot change it;
         `rerank_params` refuses another tau)."""
-        from gr2model.rerank_eval import decoder_kwargs
+        from gr2model.eval.rerank_eval import decoder_kwargs
 
         s = self.setting
         if s.decoder == "ar":
@@ -506,12 +506,12 @@ class GR2Model(mlflow.pyfunc.PythonModel):
 
 
 class SpeculativeGR2Model(GR2Model):
-    """Serves GR2 decoded speculatively: a diffusion model drafts, GR2 verifies (`gr2model.speculative`, greedy).
+    """Serves GR2 decoded speculatively: a diffusion model drafts, GR2 verifies (`gr2model.decoding.speculative`, greedy).
 
     Artifacts: `checkpoint` (GR2, the AR verifier), `drafter` (a block-diffusion
     checkpoint with GR2's tokenizer), `items`, `format`. model_config adds
     `draft_len` (tokens drafted per round), `draft_steps` (drafter forwards
-    per round) and `draft_mode` (`gr2model.speculative.diffusion_drafter`;
+    per round) and `draft_mode` (`gr2model.decoding.speculative.diffusion_drafter`;
     "block" where a version predates it) to the re-rankers' `num_candidates`
     and request caps.
 
@@ -522,7 +522,7 @@ class SpeculativeGR2Model(GR2Model):
     """
 
     def load_context(self, context: Any) -> None:
-        from gr2model.checkpoint import load_hf_checkpoint
+        from gr2model.models.checkpoint import load_hf_checkpoint
 
         super().load_context(context)
         config = context.model_config or {}
@@ -544,7 +544,7 @@ class SpeculativeGR2Model(GR2Model):
 
     def decoding(self, params: dict[str, Any]) -> dict[str, Any]:
         """Speculative decoding; a fresh drafter state per request (the drafter's cache is per call)."""
-        from gr2model.rerank_eval import speculative_kwargs
+        from gr2model.eval.rerank_eval import speculative_kwargs
 
         return speculative_kwargs(self.drafter, self.draft_steps, self.draft_len, self.draft_mode)
 
@@ -703,7 +703,7 @@ class SpeculativePair:
     drafter_md5: str
     draft_len: int  # tokens drafted per round
     draft_steps: int  # drafter forwards per round
-    draft_mode: str = "block"  # on the drafter's blocks or in a window (gr2model.speculative.diffusion_drafter)
+    draft_mode: str = "block"  # on the drafter's blocks or in a window (gr2model.decoding.speculative.diffusion_drafter)
 
     @property
     def checkpoint_md5(self) -> str:

@@ -146,7 +146,7 @@ def serve_check(
     from mlflow import MlflowClient
 
     from flows.bench_serve import served
-    from gr2model.rerank_eval import rerank_examples
+    from gr2model.eval.rerank_eval import rerank_examples
     from tasks.common import load_stage_config
     from tasks.evaluate import EvaluateConfig
     from tasks.traces import load_lists

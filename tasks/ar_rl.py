@@ -1,7 +1,7 @@
 """Stage `ar_rl`: DAPO of the SFT re-ranker with the conditional verifiable reward -> GR2, the AR teacher.
 
 Rollouts are the model's own sampled answers to training prompts; the reward
-(gr2model.rewards.rerank_reward) pays for moving the target up and pays the
+(gr2model.task.rewards.rerank_reward) pays for moving the target up and pays the
 format bonus only when it did, so copying the incoming order earns nothing, and
 an invalid answer scores -1. No KL penalty (DAPO).
 
@@ -19,12 +19,12 @@ from typing import Any
 import polars as pl
 import torch
 
-from gr2model.checkpoint import load_hf_checkpoint, read_stage_config
-from gr2model.dapo import DAPOConfig, RewardFn, train_dapo
-from gr2model.data import load_prepared
-from gr2model.rerank_eval import prompts_of, rerank_examples
-from gr2model.rerank_format import FormatConfig, ItemText, parse_response
-from gr2model.rewards import RewardConfig, rerank_reward
+from gr2model.models.checkpoint import load_hf_checkpoint, read_stage_config
+from gr2model.training.dapo import DAPOConfig, RewardFn, train_dapo
+from gr2model.data.dataset import load_prepared
+from gr2model.eval.rerank_eval import prompts_of, rerank_examples
+from gr2model.task.rerank_format import FormatConfig, ItemText, parse_response
+from gr2model.task.rewards import RewardConfig, rerank_reward
 from tasks.traces import load_format, load_lists
 from tasks.common import Cap, NonNegative, Penalty, Seed, StageConfig, StageResume, save_stage_checkpoint, stage_main, timed
 from tasks.tracking import StageTracker

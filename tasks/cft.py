@@ -1,10 +1,10 @@
 """Stage `cft`: convert GR2 into a block-diffusion re-ranker and fine-tune it on GR2's trajectories.
 
-Conversion (gr2model.block_diffusion.convert_to_block_diffusion) copies GR2's
+Conversion (gr2model.models.block_diffusion.convert_to_block_diffusion) copies GR2's
 weights one to one into the same architecture; only the config changes (block
 size, mask token). The naive conversion cannot write a valid ranking on its own
 (parallel positions are scored independently), so conversion fine-tuning
-(gr2model.cft.train_cft) trains it with the block-diffusion objective on the
+(gr2model.training.cft.train_cft) trains it with the block-diffusion objective on the
 teacher trajectories: GR2's own responses to the training prompts.
 
 Which trajectories: by default only those whose answer is a valid permutation
@@ -26,9 +26,9 @@ from typing import Any
 import polars as pl
 import torch
 
-from gr2model.block_diffusion import convert_to_block_diffusion
-from gr2model.cft import CFTConfig, train_cft
-from gr2model.checkpoint import load_hf_checkpoint, read_stage_config
+from gr2model.models.block_diffusion import convert_to_block_diffusion
+from gr2model.training.cft import CFTConfig, train_cft
+from gr2model.models.checkpoint import load_hf_checkpoint, read_stage_config
 from tasks.common import Cap, Fraction, Seed, StageConfig, StageResume, save_stage_checkpoint, stage_main, timed
 from tasks.tracking import StageTracker
 

@@ -30,7 +30,7 @@ from tasks.tracking import StageTracker, flatten
 if TYPE_CHECKING:  # torch and accelerate load only in the training stages, not in the gr2 CLI
     from accelerate import PartialState
 
-    from gr2model.resume import Checkpointer
+    from gr2model.training.resume import Checkpointer
 
 STAGES: tuple[str, ...] = (
     "prepare",
@@ -66,7 +66,7 @@ NonNegative = Annotated[float, Field(ge=0, allow_inf_nan=False)]
 Unit = Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)]
 """Probabilities and confidence thresholds, both ends allowed."""
 Penalty = Annotated[float, Field(le=0, allow_inf_nan=False)]
-"""The reward of an invalid answer: a penalty, never a reward (gr2model.rewards.rerank_reward)."""
+"""The reward of an invalid answer: a penalty, never a reward (gr2model.task.rewards.rerank_reward)."""
 Fraction = Annotated[float, Field(ge=0, lt=1, allow_inf_nan=False)]
 """A held-out share: 0 holds out nothing, 1 would leave nothing to train on."""
 
@@ -90,7 +90,7 @@ class StageConfig(BaseModel):
 
 
 class ResumeConfig(StageConfig):
-    """How often a training stage saves its full state (`gr2model.resume.Checkpointer`).
+    """How often a training stage saves its full state (`gr2model.training.resume.Checkpointer`).
 
     A state is saved after every `every_steps` optimizer (or RL) steps and whenever
     `every_minutes` passed since the last save, and after the last step; both 0: no
@@ -185,7 +185,7 @@ class StageResume:
     params and the md5 of its inputs (`stage_inputs`), with a `manifest.json` of both.
     Opening it removes the states of other keys, logging what differs (a rerun with
     other params or inputs starts fresh and says why). `checkpointer(name)` gives
-    each training loop of the stage its own `gr2model.resume.Checkpointer`, which
+    each training loop of the stage its own `gr2model.training.resume.Checkpointer`, which
     resumes from the newest state and logs it; `clear()` removes the stage's states
     once its outputs are written.
     """
@@ -233,7 +233,7 @@ class StageResume:
 
     def checkpointer(self, name: str = "train") -> Checkpointer | None:
         """The Checkpointer of the stage's training loop `name` (None when resuming is off)."""
-        from gr2model.resume import Checkpointer
+        from gr2model.training.resume import Checkpointer
 
         if not self.enabled:
             return None
@@ -387,7 +387,7 @@ def save_stage_checkpoint(path: Path, model: Any, tok: Any, stage_config: dict[s
     (`full_state_dict`, a collective); under DDP every process holds the same weights and
     one writes them.
     """
-    from gr2model.checkpoint import save_hf_checkpoint  # transformers: not at import (the gr2 CLI imports this module)
+    from gr2model.models.checkpoint import save_hf_checkpoint  # transformers: not at import (the gr2 CLI imports this module)
 
     weights = full_state_dict(model)
     if is_main_process():
@@ -483,7 +483,7 @@ def stage_main(
     the saved states. A stage that is not `distributed` ignores `GR2_LAUNCH` and
     refuses to run on several processes.
     """
-    from gr2model.data import DataError
+    from gr2model.data.dataset import DataError
     from tasks.tracking import stage_run
 
     log = setup_logging(stage)

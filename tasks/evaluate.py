@@ -15,7 +15,7 @@ diffusion rows' examples; its answers are GR2's by construction and
 `reports/evaluate.md`, and every LM row's ranking of every example in
 `reports/rankings.parquet` (what `gr2 serve-check` compares a served version with).
 
-Then the decode-speed benchmark (gr2model.bench) on the first `bench.examples`
+Then the decode-speed benchmark (gr2model.eval.bench) on the first `bench.examples`
 test examples: GR2 with both AR decoders against every diffusion model at each
 threshold and batch size, and GR2 verifying each of `bench.spec_models`'
 drafts, written to `metrics/speed.json` and `reports/speed.md` (also runnable
@@ -42,21 +42,21 @@ import polars as pl
 import torch
 from accelerate import PartialState
 
-from gr2model.bench import SPEED_FIELDS, decode_benchmark, equal_share, row_forwards, speculative_stats, speed_table
-from gr2model.block_diffusion import block_diffusion_settings, convert_to_block_diffusion
-from gr2model.checkpoint import load_hf_checkpoint
-from gr2model.constrained import covers
-from gr2model.data import load_prepared
-from gr2model.rerank_eval import (
+from gr2model.eval.bench import SPEED_FIELDS, decode_benchmark, equal_share, row_forwards, speculative_stats, speed_table
+from gr2model.models.block_diffusion import block_diffusion_settings, convert_to_block_diffusion
+from gr2model.models.checkpoint import load_hf_checkpoint
+from gr2model.decoding.constrained import covers
+from gr2model.data.dataset import load_prepared
+from gr2model.eval.rerank_eval import (
     LMRerankResult, decoder_kwargs, fixed_rankings, lm_rerank, mean_explanation_nll, random_rankings, rerank_examples,
     speculative_kwargs,
 )  # fmt: skip
-from gr2model.metrics import bootstrap_ci, per_example_gain
-from gr2model.rerank_format import (
+from gr2model.task.metrics import bootstrap_ci, per_example_gain
+from gr2model.task.rerank_format import (
     RERANK_METRIC_NAMES, FormatConfig, ItemText, ParsedResponse, no_reasoning_prefix, rerank_metrics, target_ranks,
 )  # fmt: skip
-from gr2model.ltr_teacher import LTRConfig, LTRTeacher
-from gr2model.teacher import ExpertTeacher
+from gr2model.teachers.ltr_teacher import LTRConfig, LTRTeacher
+from gr2model.teachers.teacher import ExpertTeacher
 from tasks.results import GRAMMAR_SUFFIX, diffusion_ladder  # `<model>+grammar`: decoded under the answer grammar
 from tasks.traces import load_format, load_lists
 from tasks.common import Cap, Count, Seed, StageConfig, Unit, process_state, stage_main, timed, write_json_atomic, write_text_atomic
@@ -102,7 +102,7 @@ class BenchParams(StageConfig):
     models: list[str] = ["dgr2-cft", "dgr2"]  # diffusion models raced against GR2 (those that exist)
     sub_block_sizes: list[Count] = []  # extra diffusion rows decoding sub-block by sub-block (each must divide the block)
     # Besides the sub-block rows of these sizes (among sub_block_sizes), one more each decoded with the
-    # approximate sub-block cache (gr2model.diffusion_decode's sub_block_cache).
+    # approximate sub-block cache (gr2model.decoding.diffusion_decode's sub_block_cache).
     sub_block_cache_sizes: list[Count] = []
     # Extra diffusion rows decoding the explanation at each of these thresholds (those below the
     # row's tau; decoded under the answer grammar when evaluate.grammar_rows).
@@ -114,9 +114,9 @@ class BenchParams(StageConfig):
     spec_steps: Count = 1  # denoising forwards of the drafter per round
     # Where the drafter drafts: "block", on its own blocks (each round's forward covers the active
     # block); "window", a window of spec_draft_len masks after the accepted tokens, which it caches
-    # as fed (a forward over about accepted + spec_draft_len positions; gr2model.speculative).
+    # as fed (a forward over about accepted + spec_draft_len positions; gr2model.decoding.speculative).
     spec_draft_mode: Literal["block", "window"] = "block"
-    # Timed passes per row after an untimed warm-up, interleaved across rows (gr2model.bench): a row's
+    # Timed passes per row after an untimed warm-up, interleaved across rows (gr2model.eval.bench): a row's
     # seconds are their median, with the spread (seconds_min, seconds_max) beside it.
     repeats: Count = 3
 
@@ -134,7 +134,7 @@ class EvaluateConfig(StageConfig):
     tau: Unit = 0.9  # commit threshold of the diffusion decoder in the accuracy table
     # Every row decodes as the model is served, without a grammar: its validity is what it wrote.
     # grammar_rows adds, for each LM row, a labelled `<model>+grammar` row decoded under the answer
-    # grammar (gr2model.constrained; the rank-first index format only), with `grammar_changed_rate`.
+    # grammar (gr2model.decoding.constrained; the rank-first index format only), with `grammar_changed_rate`.
     grammar_rows: bool = False
     # The +grammar diffusion rows' threshold after the answer (the explanation); null: tau.
     explanation_tau: Unit | None = None
@@ -144,7 +144,7 @@ class EvaluateConfig(StageConfig):
     # the block size is checked at decode time (the block size is the checkpoint's, not a param here).
     sub_block_size: Count | None = None
     # The accuracy table's diffusion rows with the approximate sub-block cache (Fast-dLLM v2; it changes
-    # the tokens: a sub-block's later steps forward the sub-block alone; gr2model.diffusion_decode).
+    # the tokens: a sub-block's later steps forward the sub-block alone; gr2model.decoding.diffusion_decode).
     sub_block_cache: bool = False
     naive_block_size: Count = 32  # block size of dgr2-naive when no diffusion checkpoint says otherwise
     # The `spec-<drafter>` row: GR2 verifies the drafts of the first of these diffusion models that
@@ -365,7 +365,7 @@ def spec_eval(
     The metrics add `equal_to_gr2_rate` (the share of examples whose tokens equal
     `reference`, GR2's greedy tokens on the same examples in the same order),
     `mean_accepted_length`, `ar_forwards_per_token`, `draft_forwards_per_token`
-    (`gr2model.bench.speculative_stats`), `draft_len`, `draft_steps` and `draft_mode`.
+    (`gr2model.eval.bench.speculative_stats`), `draft_len`, `draft_steps` and `draft_mode`.
     """
     kwargs = speculative_kwargs(drafter, cfg.bench.spec_steps, cfg.bench.spec_draft_len, cfg.bench.spec_draft_mode)
     m, ranks, out = _decode_eval(name, gr2, tok, df, items, fmt, cfg, kwargs, state)

@@ -5,7 +5,7 @@ task words; or a local pretrained tokenizer extended with them) and the
 Qwen3-style model (the size lives here, `midtrain.model`; or the local
 pretrained `model.pretrained_path`, resized), trains it on next-item prediction
 over semantic-id sequences, item <-> attributes, history -> recurring
-attributes and the teacher's explanations (`gr2model.midtrain`), all from the
+attributes and the teacher's explanations (`gr2model.training.midtrain`), all from the
 training parts of the sequences only, then measures next-item generative
 retrieval (constrained beam search over the existing ids) on validation and
 test. Saves `checkpoints/gr2-base`, where `sft` starts.
@@ -26,9 +26,9 @@ import torch
 from accelerate import Accelerator
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from gr2model.ar_model import ARModelConfig, build_ar_model, count_parameters
-from gr2model.data import load_prepared
-from gr2model.midtrain import (
+from gr2model.models.ar_model import ARModelConfig, build_ar_model, count_parameters
+from gr2model.data.dataset import load_prepared
+from gr2model.training.midtrain import (
     MIDTRAIN_WORDS,
     MidtrainTasks,
     NextItemEvalConfig,
@@ -37,9 +37,9 @@ from gr2model.midtrain import (
     explanation_of,
     next_item_eval,
 )
-from gr2model.sft import SFTConfig, sft_loss_sums, collate_right_padded, run_train_loop
-from gr2model.teacher import TRACE_WORDS
-from gr2model.tokenizer import build_tokenizer, extend_pretrained_tokenizer, special_ids
+from gr2model.training.sft import SFTConfig, sft_loss_sums, collate_right_padded, run_train_loop
+from gr2model.teachers.teacher import TRACE_WORDS
+from gr2model.task.tokenizer import build_tokenizer, extend_pretrained_tokenizer, special_ids
 from tasks.common import Seed, StageConfig, StageResume, process_state, save_stage_checkpoint, stage_main, timed
 from tasks.tracking import StageTracker
 from tasks.traces import load_format

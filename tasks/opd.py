@@ -5,7 +5,7 @@ the student decodes training prompts with its real decoder (block KV cache,
 threshold rule, sampled), GR2 scores the same tokens in one causal forward, and
 the student is trained toward GR2's per-token distributions on its own tokens
 (forward KL by default), each token scored on the exact canvas it was committed
-from (gr2model.opd, gr2model.diffusion_replay). The re-ranking reward of the
+from (gr2model.training.opd, gr2model.training.diffusion_replay). The re-ranking reward of the
 rollouts is logged, never trained on.
 
     python -m tasks.opd
@@ -20,9 +20,9 @@ from typing import Any
 
 import torch
 
-from gr2model.checkpoint import load_hf_checkpoint, read_stage_config
-from gr2model.opd import OPDConfig, train_opd
-from gr2model.rewards import RewardConfig
+from gr2model.models.checkpoint import load_hf_checkpoint, read_stage_config
+from gr2model.training.opd import OPDConfig, train_opd
+from gr2model.task.rewards import RewardConfig
 from tasks.ar_rl import first_last_summary, rewarded_prompts
 from tasks.common import Cap, Seed, StageConfig, StageResume, save_stage_checkpoint, stage_main, timed
 from tasks.tracking import StageTracker

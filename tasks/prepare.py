@@ -19,7 +19,7 @@ import numpy as np
 import polars as pl
 from pydantic import Field
 
-from gr2model.data import (
+from gr2model.data.dataset import (
     DataError,
     Dataset,
     detect_format,
@@ -29,8 +29,8 @@ from gr2model.data import (
     raw_reviews_files,
     save_prepared,
 )
-from gr2model.rerank_format import SID_LEVELS
-from gr2model.semantic_ids import build_semantic_ids, prefix_unique_share
+from gr2model.task.rerank_format import SID_LEVELS
+from gr2model.data.semantic_ids import build_semantic_ids, prefix_unique_share
 from tasks.common import Cap, Count, Seed, StageConfig, stage_main, timed
 from tasks.tracking import StageTracker
 
@@ -44,7 +44,7 @@ class SidBuilderConfig(StageConfig):
 
     dim: Count = 64
     # The built id is these levels plus a disambiguation code, and every later stage
-    # reads ids of exactly len(SID_LEVELS) codes (gr2model.rerank_format).
+    # reads ids of exactly len(SID_LEVELS) codes (gr2model.task.rerank_format).
     levels: Annotated[int, Field(ge=len(SID_LEVELS) - 1, le=len(SID_LEVELS) - 1)] = 3
     codebook_size: Annotated[int, Field(ge=2)] = 256  # one centroid cannot tell items apart
     seed: Seed = 0

@@ -27,8 +27,8 @@ import polars as pl
 import torch
 from pydantic import Field, ValidationInfo, field_validator
 
-from gr2model.baselines import EnsembleScorer, PopularityScorer, TransitionScorer, tune_weight
-from gr2model.candidates import (
+from gr2model.retrieval.baselines import EnsembleScorer, PopularityScorer, TransitionScorer, tune_weight
+from gr2model.data.candidates import (
     candidate_lists,
     crossfit_candidate_lists,
     eval_examples,
@@ -36,11 +36,11 @@ from gr2model.candidates import (
     training_positions,
     write_parquet_atomic,
 )
-from gr2model.data import load_prepared
-from gr2model.retriever import RetrieverSpec, save_retriever
-from gr2model.sasrec import SASRecConfig, SASRecScorer, SASRecTrainConfig, train_sasrec
-from gr2model.scoring import Scorer, evaluate_full_ranking
-from gr2model.rerank_format import MAX_POSITIONS
+from gr2model.data.dataset import load_prepared
+from gr2model.retrieval.retriever import RetrieverSpec, save_retriever
+from gr2model.retrieval.sasrec import SASRecConfig, SASRecScorer, SASRecTrainConfig, train_sasrec
+from gr2model.retrieval.scoring import Scorer, evaluate_full_ranking
+from gr2model.task.rerank_format import MAX_POSITIONS
 from tasks.common import Cap, Count, NonNegative, Positive, Seed, StageConfig, StageResume, atomic_dir, stage_main, timed
 from tasks.tracking import StageTracker
 
@@ -51,7 +51,7 @@ CANDIDATES = Path("data/candidates")
 METRICS = Path("metrics/retrieve.json")
 
 
-# (0, 1]: a decay of 0 would silence every item but the first (gr2model.baselines.TransitionScorer).
+# (0, 1]: a decay of 0 would silence every item but the first (gr2model.retrieval.baselines.TransitionScorer).
 Decay = Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)]
 
 
@@ -84,7 +84,7 @@ class TrainParams(StageConfig):
 
 
 class TransitionParams(StageConfig):
-    """First-order transitions; defaults tuned on validation NDCG@10 (gr2model.baselines.TransitionScorer)."""
+    """First-order transitions; defaults tuned on validation NDCG@10 (gr2model.retrieval.baselines.TransitionScorer)."""
 
     last_n: Count = 10
     decay: Decay = 0.6

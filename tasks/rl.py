@@ -3,7 +3,7 @@
 Starts from the OPD checkpoint. Rollouts come from the real decoder and record
 the step at which each token was committed; the update replays each step's
 masked canvas to score those tokens under the current policy and clips the
-per-token importance ratio (gr2model.diffusion_rl). The reward is ar_rl's
+per-token importance ratio (gr2model.training.diffusion_rl). The reward is ar_rl's
 conditional verifiable reward: rank promotion of the target, a format bonus
 only when the target moved up (or stayed first), -1 for an invalid answer.
 
@@ -19,9 +19,9 @@ from typing import Any
 
 import torch
 
-from gr2model.checkpoint import load_hf_checkpoint, read_stage_config
-from gr2model.diffusion_rl import DiffusionRLConfig, train_diffusion_rl
-from gr2model.rewards import RewardConfig
+from gr2model.models.checkpoint import load_hf_checkpoint, read_stage_config
+from gr2model.training.diffusion_rl import DiffusionRLConfig, train_diffusion_rl
+from gr2model.task.rewards import RewardConfig
 from tasks.ar_rl import first_last_summary, rewarded_prompts
 from tasks.common import Cap, NonNegative, Penalty, Seed, StageConfig, StageResume, save_stage_checkpoint, stage_main, timed
 from tasks.tracking import StageTracker

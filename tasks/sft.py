@@ -23,9 +23,9 @@ from typing import Any
 import polars as pl
 import torch
 
-from gr2model.ar_model import count_parameters
-from gr2model.checkpoint import load_hf_checkpoint, read_stage_config
-from gr2model.sft import SFTConfig, train_sft
+from gr2model.models.ar_model import count_parameters
+from gr2model.models.checkpoint import load_hf_checkpoint, read_stage_config
+from gr2model.training.sft import SFTConfig, train_sft
 from tasks.common import Cap, Fraction, ParamsError, Seed, StageConfig, StageResume, save_stage_checkpoint, stage_main, timed
 from tasks.tracking import StageTracker
 

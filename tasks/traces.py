@@ -2,9 +2,9 @@
 
 The teacher (`traces.teacher`) scores candidates from co-purchase statistics,
 shared semantic-id prefixes and attributes and the pre-ranker's scores: "ltr"
-(default, gr2model.ltr_teacher.LTRTeacher) with a LightGBM lambdarank model
+(default, gr2model.teachers.ltr_teacher.LTRTeacher) with a LightGBM lambdarank model
 fitted on the training lists and early-stopped on validation, "linear" with the
-expert's (gr2model.teacher.ExpertTeacher) conditional logit. Test accuracy is
+expert's (gr2model.teachers.teacher.ExpertTeacher) conditional logit. Test accuracy is
 reported, never used for fitting. Rejection
 sampling (default) keeps a sampled ranking only when it puts the target first;
 targeted mode explains a ranking with the target moved first; distill mode
@@ -29,11 +29,11 @@ import polars as pl
 from pydantic import Field, field_validator, model_validator
 
 from gr2model.bounds import FieldRangeError
-from gr2model.candidates import rerank_metrics, write_parquet_atomic
-from gr2model.data import load_prepared
-from gr2model.ltr_teacher import LTR_FEATURE_NAMES, LTRConfig, LTRTeacher, evidence_values
-from gr2model.rerank_format import MAX_EVIDENCE, FormatConfig, ItemText, evidence_levels, fit_evidence_bins
-from gr2model.teacher import ExpertTeacher, TeacherConfig, TraceMode, generate_traces, teacher_accuracy
+from gr2model.data.candidates import rerank_metrics, write_parquet_atomic
+from gr2model.data.dataset import load_prepared
+from gr2model.teachers.ltr_teacher import LTR_FEATURE_NAMES, LTRConfig, LTRTeacher, evidence_values
+from gr2model.task.rerank_format import MAX_EVIDENCE, FormatConfig, ItemText, evidence_levels, fit_evidence_bins
+from gr2model.teachers.teacher import ExpertTeacher, TeacherConfig, TraceMode, generate_traces, teacher_accuracy
 from tasks.common import Cap, Count, Positive, Seed, StageConfig, atomic_dir, stage_main, timed
 from tasks.tracking import StageTracker
 
@@ -47,7 +47,7 @@ METRICS = Path("metrics/traces.json")
 
 
 class TracesConfig(StageConfig):
-    # ltr: LightGBM lambdarank on rich features (gr2model.ltr_teacher); linear: the expert's
+    # ltr: LightGBM lambdarank on rich features (gr2model.teachers.ltr_teacher); linear: the expert's
     # conditional logit on its 10 features. Both explain with the expert's evidence.
     teacher: Literal["ltr", "linear"] = "ltr"
     ltr: LTRConfig = LTRConfig()

@@ -19,11 +19,11 @@ from typing import Any
 
 import polars as pl
 
-from gr2model.candidates import write_parquet_atomic
-from gr2model.checkpoint import load_hf_checkpoint
-from gr2model.data import load_prepared
-from gr2model.rerank_eval import lm_rerank
-from gr2model.rerank_format import ItemText, rerank_metrics
+from gr2model.data.candidates import write_parquet_atomic
+from gr2model.models.checkpoint import load_hf_checkpoint
+from gr2model.data.dataset import load_prepared
+from gr2model.eval.rerank_eval import lm_rerank
+from gr2model.task.rerank_format import ItemText, rerank_metrics
 from tasks.ar_rl import training_prompts
 from tasks.traces import load_format
 from tasks.common import Cap, Count, StageConfig, atomic_dir, process_state, stage_main, timed

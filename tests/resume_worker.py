@@ -25,13 +25,13 @@ from typing import Any
 
 import torch
 
-from gr2model.block_diffusion import convert_to_block_diffusion
-from gr2model.cft import CFTConfig, train_cft
-from gr2model.dapo import DAPOConfig, train_dapo
-from gr2model.diffusion_rl import DiffusionRLConfig, train_diffusion_rl
-from gr2model.resume import Checkpointer
-from gr2model.sasrec import SASRecTrainConfig, train_sasrec
-from gr2model.sft import SFTConfig, train_sft
+from gr2model.models.block_diffusion import convert_to_block_diffusion
+from gr2model.training.cft import CFTConfig, train_cft
+from gr2model.training.dapo import DAPOConfig, train_dapo
+from gr2model.training.diffusion_rl import DiffusionRLConfig, train_diffusion_rl
+from gr2model.training.resume import Checkpointer
+from gr2model.retrieval.sasrec import SASRecTrainConfig, train_sasrec
+from gr2model.training.sft import SFTConfig, train_sft
 
 from test_sasrec import random_sequences, split_last, successor_sequences, tiny_cfg
 from tiny import one_item_tokenizer, random_prompts, tiny_model, toy_examples, toy_items, toy_model, toy_tokenizer

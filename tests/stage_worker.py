@@ -15,7 +15,7 @@ import signal
 import sys
 from pathlib import Path
 
-from gr2model.resume import Checkpointer
+from gr2model.training.resume import Checkpointer
 
 
 def stage(module: str, kill_after_saves: int, loop: str | None = None) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gr2model.ar_decode import DecodeOutput, ar_generate, hf_generate, left_pad
+from gr2model.decoding.ar_decode import DecodeOutput, ar_generate, hf_generate, left_pad
 
 from tiny import EOS, NO_EOS, PAD
 

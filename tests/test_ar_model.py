@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Qwen3ForCausalLM
 
-from gr2model.ar_model import ARModelConfig, build_ar_model, count_parameters
+from gr2model.models.ar_model import ARModelConfig, build_ar_model, count_parameters
 
 TINY = ARModelConfig(
     hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64,

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gr2model.baselines import EnsembleScorer, PopularityScorer, TransitionScorer, tune_weight
-from gr2model.scoring import evaluate_full_ranking, top_k
+from gr2model.retrieval.baselines import EnsembleScorer, PopularityScorer, TransitionScorer, tune_weight
+from gr2model.retrieval.scoring import evaluate_full_ranking, top_k
 
 
 class FixedScorer:

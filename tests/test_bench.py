@@ -1,4 +1,4 @@
-"""The decode benchmark's timing (gr2model.bench): warm-up, interleaved repeats, median and spread,
+"""The decode benchmark's timing (gr2model.eval.bench): warm-up, interleaved repeats, median and spread,
 and the speed-up judged on time per example.
 
 The decoder is a stand-in (`lm_rerank` replaced) whose seconds and response lengths are set
@@ -14,8 +14,8 @@ from typing import Any
 import polars as pl
 import pytest
 
-import gr2model.bench as bench
-from gr2model.rerank_eval import LMRerankResult
+import gr2model.eval.bench as bench
+from gr2model.eval.rerank_eval import LMRerankResult
 
 N = 4  # examples
 # Seconds of each timed pass over the N examples, per row (the desc names the row).

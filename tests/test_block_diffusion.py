@@ -9,8 +9,8 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
-from gr2model.ar_decode import left_pad
-from gr2model.block_diffusion import (
+from gr2model.decoding.ar_decode import left_pad
+from gr2model.models.block_diffusion import (
     block_causal_mask,
     block_diffusion_mask,
     block_diffusion_settings,

@@ -8,8 +8,8 @@ import numpy as np
 import polars as pl
 import pytest
 
-from gr2model.baselines import PopularityScorer, TransitionScorer
-from gr2model.candidates import (
+from gr2model.retrieval.baselines import PopularityScorer, TransitionScorer
+from gr2model.data.candidates import (
     candidate_lists,
     crossfit_candidate_lists,
     eval_examples,

@@ -10,8 +10,8 @@ import pytest
 import torch
 from accelerate import debug_launcher
 
-from gr2model.block_diffusion import block_causal_mask, convert_to_block_diffusion
-from gr2model.cft import (
+from gr2model.models.block_diffusion import block_causal_mask, convert_to_block_diffusion
+from gr2model.training.cft import (
     _loss_sums,
     KIND_ANSWER,
     KIND_PAD,
@@ -28,9 +28,9 @@ from gr2model.cft import (
     training_attention_mask,
     training_position_ids,
 )
-from gr2model.diffusion_decode import diffusion_generate
-from gr2model.rerank_format import ItemText, parse_response
-from gr2model.sft import (
+from gr2model.decoding.diffusion_decode import diffusion_generate
+from gr2model.task.rerank_format import ItemText, parse_response
+from gr2model.training.sft import (
     IGNORE_INDEX,
     SFTConfig,
     collate_right_padded,
@@ -38,7 +38,7 @@ from gr2model.sft import (
     train_sft,
     weighted_lm_loss,
 )
-from gr2model.tokenizer import special_ids
+from gr2model.task.tokenizer import special_ids
 
 from tiny import (
     TOY_CANDIDATES,
@@ -426,7 +426,7 @@ def test_two_processes_equal_one_process_with_the_global_batch(tok, items, tmp_p
 
 def test_train_cft_refuses_a_model_converted_for_another_block_size(tok, items) -> None:
     model = toy_model(tok)
-    model.config.block_size = 8  # as gr2model.block_diffusion records it
+    model.config.block_size = 8  # as gr2model.models.block_diffusion records it
     with pytest.raises(ValueError, match="block_size"):
         train_cft(model, tok, toy_examples(items)[:2], CFTConfig(block_size=4))
 

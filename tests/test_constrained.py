@@ -1,4 +1,4 @@
-"""Format-constrained decoding (`gr2model.constrained`): every answer valid, and no other change.
+"""Format-constrained decoding (`gr2model.decoding.constrained`): every answer valid, and no other change.
 
 A scripted fake model writes a chosen token sequence, so the tests control exactly
 what the unconstrained decoders would write; random tiny models write garbage that
@@ -12,12 +12,12 @@ import pytest
 import torch
 from transformers.modeling_utils import slice_logits_to_keep
 
-from gr2model.ar_decode import ar_generate
-from gr2model.constrained import ResponseGrammar, answer_template
-from gr2model.diffusion_decode import diffusion_generate
-from gr2model.rerank_eval import explanation_nll, lm_rerank, prompts_of
-from gr2model.rerank_format import EOS, FormatConfig, build_response, parse_response
-from gr2model.tokenizer import special_ids
+from gr2model.decoding.ar_decode import ar_generate
+from gr2model.decoding.constrained import ResponseGrammar, answer_template
+from gr2model.decoding.diffusion_decode import diffusion_generate
+from gr2model.eval.rerank_eval import explanation_nll, lm_rerank, prompts_of
+from gr2model.task.rerank_format import EOS, FormatConfig, build_response, parse_response
+from gr2model.task.tokenizer import special_ids
 
 from tiny import tiny_model, toy_items, toy_tokenizer
 

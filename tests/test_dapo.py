@@ -9,9 +9,9 @@ import pytest
 import torch
 from accelerate import debug_launcher
 
-from gr2model.ar_decode import ar_generate
-from gr2model.dapo import DAPOConfig, dapo_loss, group_advantages, sequence_logprobs, train_dapo
-from gr2model.tokenizer import special_ids
+from gr2model.decoding.ar_decode import ar_generate
+from gr2model.training.dapo import DAPOConfig, dapo_loss, group_advantages, sequence_logprobs, train_dapo
+from gr2model.task.tokenizer import special_ids
 
 from tiny import equals_one_process, one_item_tokenizer, random_prompts, tiny_model, two_process_worker
 

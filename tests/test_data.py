@@ -1,4 +1,4 @@
-"""Tests of gr2model.data: loaders, k-core, split, prepared files.
+"""Tests of gr2model.data.dataset: loaders, k-core, split, prepared files.
 
 Tests on the full shared data use the `shared_data` fixture (tests/conftest.py),
 which skips them when the data set is absent."""
@@ -14,7 +14,7 @@ from pathlib import Path
 import polars as pl
 import pytest
 
-from gr2model.data import (
+from gr2model.data.dataset import (
     DataError,
     Dataset,
     detect_format,

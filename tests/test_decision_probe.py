@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from experiments.decision_probe import PREFIX, answer, ranks_after_promotion
-from gr2model.rerank_format import FormatConfig, ItemText, parse_response, target_ranks
+from gr2model.task.rerank_format import FormatConfig, ItemText, parse_response, target_ranks
 
 import polars as pl
 

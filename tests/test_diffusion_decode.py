@@ -8,10 +8,10 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from gr2model.ar_decode import ar_generate
-from gr2model.block_diffusion import block_causal_mask
-import gr2model.diffusion_decode as dd
-from gr2model.diffusion_decode import DiffusionDecodeOutput, commit_mask, diffusion_generate, propose
+from gr2model.decoding.ar_decode import ar_generate
+from gr2model.models.block_diffusion import block_causal_mask
+import gr2model.decoding.diffusion_decode as dd
+from gr2model.decoding.diffusion_decode import DiffusionDecodeOutput, commit_mask, diffusion_generate, propose
 
 from tiny import EOS, NO_EOS, PAD, VOCAB
 
@@ -91,7 +91,7 @@ def test_propose_greedy_confidence() -> None:
 def test_cached_equals_recompute(model, prompts, mask_id, block_size, monkeypatch) -> None:
     # Record which kinds of cached forward ran, to be sure the ragged ones did.
     kinds: set[str] = set()
-    call = dd._CachedForward.__call__
+    call = dd.CachedForward.__call__
 
     def spy(self, resp, start, plen, ctx, ctx_list, win=None):
         # No sub-blocks: the whole-block logits path, but for a lone greedy row's open positions.
@@ -105,7 +105,7 @@ def test_cached_equals_recompute(model, prompts, mask_id, block_size, monkeypatc
             kinds.add("finish some" if ragged or not all(ctx_list) else "finish all")
         return call(self, resp, start, plen, ctx, ctx_list, win)
 
-    monkeypatch.setattr(dd._CachedForward, "__call__", spy)
+    monkeypatch.setattr(dd.CachedForward, "__call__", spy)
     cached = decode(model, prompts, mask_id, block_size=block_size, threshold=MIXED)
     full = decode(model, prompts, mask_id, block_size=block_size, threshold=MIXED, use_cache=False)
     assert cached.sequences == full.sequences
@@ -293,13 +293,13 @@ def sub_block_order_holds(steps: list[int], bsz: int, sub: int) -> bool:
 def test_a_lone_greedy_row_computes_only_its_open_positions(model, prompts, mask_id, sub, monkeypatch) -> None:
     """Alone, a greedy row's steps keep the logits of its open positions only; it decodes as in a batch."""
     widths: list[int] = []
-    call = dd._CachedForward.__call__
+    call = dd.CachedForward.__call__
 
     def spy(self, resp, start, plen, ctx, ctx_list, win=None):
         widths.append(self.block_size if win is None else win.shape[1])
         return call(self, resp, start, plen, ctx, ctx_list, win)
 
-    monkeypatch.setattr(dd._CachedForward, "__call__", spy)
+    monkeypatch.setattr(dd.CachedForward, "__call__", spy)
     kw = dict(block_size=8, threshold=MIXED, sub_block_size=sub, return_logprobs=True)
     prompt = prompts[1]
     alone = decode(model, [prompt], mask_id, **kw)
@@ -315,7 +315,7 @@ def test_sub_blocks_cached_equals_recompute(model, prompts, mask_id, block_size,
     # Record the kinds of cached forward, and whether a row mid-block sat in a later
     # sub-block while others started a block (the per-row logits offset of that forward).
     kinds: set[str] = set()
-    call = dd._CachedForward.__call__
+    call = dd.CachedForward.__call__
 
     def spy(self, resp, start, plen, ctx, ctx_list, win=None):
         if ctx is not None and any(ctx_list) and not all(ctx_list) and bool((win[:, 0] > 0).any()):
@@ -324,7 +324,7 @@ def test_sub_blocks_cached_equals_recompute(model, prompts, mask_id, block_size,
             kinds.add("denoise, later sub-block")
         return call(self, resp, start, plen, ctx, ctx_list, win)
 
-    monkeypatch.setattr(dd._CachedForward, "__call__", spy)
+    monkeypatch.setattr(dd.CachedForward, "__call__", spy)
     ref = decode(model, prompts, mask_id, block_size=block_size, threshold=0.2, sub_block_size=sub).sequences
     eos = ref[1][7]  # rows stop at different steps
     outs = [decode(model, prompts, mask_id, block_size=block_size, threshold=0.2, sub_block_size=sub, eos_id=eos,
@@ -493,13 +493,13 @@ def test_sub_block_cache_forward_widths(model, prompts, mask_id, monkeypatch) ->
     """One token per step, alone: a sub-block's later steps forward S + 1 positions, and a
     sub-block's first step the whole block; whole blocks (S = B) never take the cache."""
     widths: list[int] = []
-    run = dd._CachedForward._run
+    run = dd.CachedForward._run
 
     def spy(self, input_ids, mask, pos, keep):
         widths.append(input_ids.shape[1])
         return run(self, input_ids, mask, pos, keep)
 
-    monkeypatch.setattr(dd._CachedForward, "_run", spy)
+    monkeypatch.setattr(dd.CachedForward, "_run", spy)
     bsz, sub = 8, 4
     out = decode(model, prompts[:1], mask_id, block_size=bsz, threshold=2.0, sub_block_size=sub, sub_block_cache=True)
     n_sub = NEW // sub  # 20 new tokens: 5 sub-blocks (the last block's second sub-block is past the limit)
@@ -522,10 +522,10 @@ def test_sub_block_cache_needs_the_cache(model, prompts, mask_id) -> None:
 def test_benchmark_has_sub_block_rows() -> None:
     import polars as pl
 
-    from gr2model.bench import decode_benchmark, speed_table
-    from gr2model.block_diffusion import convert_to_block_diffusion
-    from gr2model.rerank_format import FormatConfig
-    from gr2model.rerank_eval import decoder_kwargs
+    from gr2model.eval.bench import decode_benchmark, speed_table
+    from gr2model.models.block_diffusion import convert_to_block_diffusion
+    from gr2model.task.rerank_format import FormatConfig
+    from gr2model.eval.rerank_eval import decoder_kwargs
 
     from tiny import TOY_CANDIDATES, toy_items, toy_model, toy_tokenizer
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gr2model.ar_decode import ar_generate
-from gr2model.cft import prediction_sources, training_attention_mask, training_position_ids
-from gr2model.dapo import sequence_logprobs
-from gr2model.diffusion_decode import diffusion_generate
-from gr2model.diffusion_replay import (
+from gr2model.decoding.ar_decode import ar_generate
+from gr2model.training.cft import prediction_sources, training_attention_mask, training_position_ids
+from gr2model.training.dapo import sequence_logprobs
+from gr2model.decoding.diffusion_decode import diffusion_generate
+from gr2model.training.diffusion_replay import (
     Trajectory,
     build_replay_batch,
     replay_columns,
@@ -19,7 +19,7 @@ from gr2model.diffusion_replay import (
     split_by_columns,
     trajectories_from_decode,
 )
-from gr2model.sft import IGNORE_INDEX
+from gr2model.training.sft import IGNORE_INDEX
 
 from tiny import PAD
 

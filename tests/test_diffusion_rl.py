@@ -11,10 +11,10 @@ import pytest
 import torch
 from accelerate import debug_launcher
 
-from gr2model.block_diffusion import convert_to_block_diffusion
-from gr2model.diffusion_decode import diffusion_generate
-from gr2model.diffusion_rl import DiffusionRLConfig, train_diffusion_rl
-from gr2model.tokenizer import special_ids
+from gr2model.models.block_diffusion import convert_to_block_diffusion
+from gr2model.decoding.diffusion_decode import diffusion_generate
+from gr2model.training.diffusion_rl import DiffusionRLConfig, train_diffusion_rl
+from gr2model.task.tokenizer import special_ids
 
 from tiny import equals_one_process, one_item_tokenizer, random_prompts, tiny_model, two_process_worker
 

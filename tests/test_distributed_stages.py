@@ -34,9 +34,9 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from gr2model.checkpoint import save_hf_checkpoint
-from gr2model.data import Dataset, leave_one_out, save_prepared
-from gr2model.rerank_format import FormatConfig
+from gr2model.models.checkpoint import save_hf_checkpoint
+from gr2model.data.dataset import Dataset, leave_one_out, save_prepared
+from gr2model.task.rerank_format import FormatConfig
 from tasks.common import launch_argv, requested_processes
 from tasks.trajectories import TrajectoriesConfig
 

@@ -6,9 +6,9 @@ import polars as pl
 import pytest
 import torch
 
-from gr2model.ar_decode import DecodeOutput
-from gr2model.rerank_eval import lm_rerank, prompts_of
-from gr2model.rerank_format import EOS, FormatConfig, build_response, no_reasoning_prefix
+from gr2model.decoding.ar_decode import DecodeOutput
+from gr2model.eval.rerank_eval import lm_rerank, prompts_of
+from gr2model.task.rerank_format import EOS, FormatConfig, build_response, no_reasoning_prefix
 from tasks.evaluate import EvaluateConfig, _decode_eval, add_agreement, top1_agreement
 
 from test_constrained import FMT, PROMPT, Scripted, answer_ids

@@ -25,7 +25,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from gr2model.rerank_format import EOS, FormatConfig, ItemText, build_response, parse_response
+from gr2model.task.rerank_format import EOS, FormatConfig, ItemText, build_response, parse_response
 
 SETTINGS = settings(max_examples=150, deadline=None, derandomize=True, database=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -257,7 +257,7 @@ def corrupted_sequences(draw: st.DrawFn) -> tuple[bytes, bool]:
 @example(case=(SEQ.replace("\n", "\x85", 2).encode(), True))
 @example(case=(b"\x1f\x8b" + SEQ.encode(), True))  # gzip magic on plain text
 def test_corrupted_sequence_file_ends_in_a_data_error_naming_file_and_line(case: tuple[bytes, bool]) -> None:
-    from gr2model.data import DataError
+    from gr2model.data.dataset import DataError
 
     raw, must_fail = case
     with tempfile.TemporaryDirectory() as tmp:
@@ -316,7 +316,7 @@ def corrupted_reviews(draw: st.DrawFn) -> bytes:
 @given(raw=corrupted_reviews())
 @example(raw=REVIEWS.replace('"unixReviewTime": 1000', '"unixReviewTime": ' + "9" * 5000, 1).encode())
 def test_corrupted_review_dump_ends_in_a_data_error_naming_file_and_line(raw: bytes) -> None:
-    from gr2model.data import DataError, load_raw_reviews
+    from gr2model.data.dataset import DataError, load_raw_reviews
 
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "reviews_Beauty_5.json"

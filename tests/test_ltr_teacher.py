@@ -8,9 +8,9 @@ import numpy as np
 import polars as pl
 import pytest
 
-from gr2model.candidates import rerank_metrics
-from gr2model.ltr_teacher import EXTRA_FEATURE_NAMES, LTR_FEATURE_NAMES, PROMPT_FEATURE_NAMES, SCORE_FEATURE_NAMES, LTRConfig, LTRTeacher
-from gr2model.teacher import FEATURE_NAMES, ExpertTeacher, teacher_accuracy
+from gr2model.data.candidates import rerank_metrics
+from gr2model.teachers.ltr_teacher import EXTRA_FEATURE_NAMES, LTR_FEATURE_NAMES, PROMPT_FEATURE_NAMES, SCORE_FEATURE_NAMES, LTRConfig, LTRTeacher
+from gr2model.teachers.teacher import FEATURE_NAMES, ExpertTeacher, teacher_accuracy
 from test_teacher import N_FOLDS, N_ITEMS, toy_items, toy_lists, toy_split  # tests/ is on sys.path (prepend mode)
 
 # Small and fast: a handful of shallow trees is enough for the planted signal.
@@ -153,7 +153,7 @@ def test_cross_fitted_features_leave_the_fold_out() -> None:
 def test_evidence_values_are_the_named_features_with_the_lists_fold() -> None:
     """The prompt's evidence of a cross-fitted training list is computed without
     its fold, exactly as the teacher's features: its own target transition never shows."""
-    from gr2model.ltr_teacher import evidence_values
+    from gr2model.teachers.ltr_teacher import evidence_values
 
     items = toy_items()
     seqs = [[7, 12, 30], [7, 12, 40]] + [[20 + i, 40 + i, 21 + i] for i in range(10)]

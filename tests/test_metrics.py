@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gr2model.metrics import bootstrap_ci, ndcg_at_k, per_example_gain, recall_at_k
+from gr2model.task.metrics import bootstrap_ci, ndcg_at_k, per_example_gain, recall_at_k
 
 
 def test_per_example_gain_means_are_the_metrics() -> None:

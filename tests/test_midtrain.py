@@ -12,9 +12,9 @@ from accelerate import Accelerator
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from gr2model.ar_model import ARModelConfig, build_ar_model
-from gr2model.data import leave_one_out
-from gr2model.midtrain import (
+from gr2model.models.ar_model import ARModelConfig, build_ar_model
+from gr2model.data.dataset import leave_one_out
+from gr2model.training.midtrain import (
     MIDTRAIN_WORDS,
     TASKS,
     MidtrainTasks,
@@ -27,10 +27,10 @@ from gr2model.midtrain import (
     sequence_prompt,
     sid_table,
 )
-from gr2model.rerank_format import ItemText
-from gr2model.sft import IGNORE_INDEX, SFTConfig, sft_loss_sums, collate_right_padded, run_train_loop
-from gr2model.teacher import TRACE_WORDS
-from gr2model.tokenizer import build_tokenizer, special_ids
+from gr2model.task.rerank_format import ItemText
+from gr2model.training.sft import IGNORE_INDEX, SFTConfig, sft_loss_sums, collate_right_padded, run_train_loop
+from gr2model.teachers.teacher import TRACE_WORDS
+from gr2model.task.tokenizer import build_tokenizer, special_ids
 
 from tiny import TINY, TOY, randomize
 
@@ -211,7 +211,7 @@ def test_pretrained_path_goes_through_the_build_step(data, tmp_path: Path) -> No
 
 
 def test_length_grouped_batches_cover_every_example_once() -> None:
-    from gr2model.sft import LengthGroupedBatches
+    from gr2model.training.sft import LengthGroupedBatches
 
     g = torch.Generator().manual_seed(0)
     lengths = torch.randint(3, 200, (1000,), generator=g).tolist()

@@ -12,9 +12,9 @@ import torch
 from accelerate import debug_launcher
 from torch.distributions import Categorical, kl_divergence
 
-from gr2model.block_diffusion import convert_to_block_diffusion
-from gr2model.dapo import sequence_logprobs
-from gr2model.opd import (
+from gr2model.models.block_diffusion import convert_to_block_diffusion
+from gr2model.training.dapo import sequence_logprobs
+from gr2model.training.opd import (
     OPDConfig,
     OPDResult,
     opd_loss,

@@ -11,7 +11,7 @@ from pathlib import Path
 import polars as pl
 import pytest
 
-from gr2model.data import load_prepared
+from gr2model.data.dataset import load_prepared
 from tasks.tracking import StageTracker
 from tasks.prepare import METRICS, OUT_DIR, PrepareConfig, SidBuilderConfig, main, run
 
@@ -67,7 +67,7 @@ def test_bad_input_exits_2_naming_the_line_and_writes_nothing(tmp_path: Path, mo
 
 
 def test_missing_data_dir_says_how_to_get_data(tmp_path: Path) -> None:
-    from gr2model.data import DataError
+    from gr2model.data.dataset import DataError
 
     with pytest.raises(DataError, match="gr2 data download"):
         run(PrepareConfig(data_dir="nowhere"), tmp_path, LOG, NO_TRACKING)

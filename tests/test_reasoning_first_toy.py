@@ -18,13 +18,13 @@ import random
 import polars as pl
 import pytest
 import torch
-from gr2model.ar_decode import ar_generate
-from gr2model.rerank_format import (
+from gr2model.decoding.ar_decode import ar_generate
+from gr2model.task.rerank_format import (
     POSITION_RE, REASONING_FIRST_OPENING, RECOMMENDATIONS_KEY, FormatConfig, ItemText, ParsedResponse, build_prompt, build_response, parse_response,
     pos_token,
 )
-from gr2model.sft import SFTConfig, train_sft
-from gr2model.tokenizer import build_tokenizer, special_ids
+from gr2model.training.sft import SFTConfig, train_sft
+from gr2model.task.tokenizer import build_tokenizer, special_ids
 
 from tiny import TOY, tiny_model
 

@@ -8,7 +8,7 @@ from dataclasses import replace
 import polars as pl
 import pytest
 
-from gr2model.rerank_format import (
+from gr2model.task.rerank_format import (
     EOS,
     RERANK_METRIC_NAMES,
     FormatConfig,
@@ -360,7 +360,7 @@ def test_evidence_format_round_trips_through_json_and_validates() -> None:
 def test_evidence_levels_and_fitted_bins() -> None:
     import numpy as np
 
-    from gr2model.rerank_format import EVIDENCE_LEVELS, evidence_levels, fit_evidence_bins
+    from gr2model.task.rerank_format import EVIDENCE_LEVELS, evidence_levels, fit_evidence_bins
 
     rng = np.random.default_rng(0)
     # Feature 0: continuous, cut into EVIDENCE_LEVELS levels of equal mass; feature 1:

@@ -16,8 +16,8 @@ import torch
 from accelerate import Accelerator
 
 import resume_worker
-from gr2model.resume import Checkpointer, latest_state
-from gr2model.sft import SFTConfig, sft_loss_sums, collate_right_padded, encode_example, run_train_loop
+from gr2model.training.resume import Checkpointer, latest_state
+from gr2model.training.sft import SFTConfig, sft_loss_sums, collate_right_padded, encode_example, run_train_loop
 
 from tiny import toy_examples, toy_items, toy_model, toy_tokenizer
 

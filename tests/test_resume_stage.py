@@ -18,7 +18,7 @@ import polars as pl
 import pytest
 import yaml
 
-from gr2model.data import Dataset, leave_one_out, save_prepared
+from gr2model.data.dataset import Dataset, leave_one_out, save_prepared
 from tasks.common import RESUME_DIR, ResumeConfig, StageResume
 
 from test_sasrec import N_ITEMS, random_sequences

@@ -5,8 +5,8 @@ from __future__ import annotations
 import polars as pl
 import pytest
 
-from gr2model.rerank_format import ItemText, ParsedResponse, build_response, parse_response
-from gr2model.rewards import RewardConfig, rerank_reward
+from gr2model.task.rerank_format import ItemText, ParsedResponse, build_response, parse_response
+from gr2model.task.rewards import RewardConfig, rerank_reward
 
 INCOMING = [10, 20, 30, 40, 50, 60, 70, 80, 90, 100]  # K = 10
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from gr2model.sasrec import (
+from gr2model.retrieval.sasrec import (
     SASRec,
     SASRecConfig,
     SASRecScorer,
@@ -25,7 +25,7 @@ from gr2model.sasrec import (
     train_sasrec,
     training_windows,
 )
-from gr2model.scoring import evaluate_full_ranking
+from gr2model.retrieval.scoring import evaluate_full_ranking
 
 N_ITEMS = 40
 

@@ -1,4 +1,4 @@
-"""Tests of gr2model.semantic_ids: residual k-means ids built from training data."""
+"""Tests of gr2model.data.semantic_ids: residual k-means ids built from training data."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gr2model.semantic_ids import (
+from gr2model.data.semantic_ids import (
     add_collision_code,
     build_semantic_ids,
     item_embeddings,
@@ -136,7 +136,7 @@ def test_first_code_groups_similar_items() -> None:
 
 
 def test_shared_beauty_semantic_ids(shared_data: Path) -> None:
-    from gr2model.data import leave_one_out, load_sequence_dataset
+    from gr2model.data.dataset import leave_one_out, load_sequence_dataset
 
     ds = load_sequence_dataset(shared_data, sid_file=None)
     train = leave_one_out(ds.sequences)["train"].to_list()

@@ -12,7 +12,7 @@ import yaml
 
 from flows.decoder_setting import DecoderSetting
 from flows.serve_check import RANKINGS, ServeCheck, ServeCheckError, check_rankings_file, differences, evaluated_rankings, version_row
-from gr2model.rerank_format import ParsedResponse
+from gr2model.task.rerank_format import ParsedResponse
 from tasks.evaluate import RANKINGS as EVALUATE_RANKINGS
 from tasks.evaluate import write_rankings
 

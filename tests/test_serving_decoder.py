@@ -20,9 +20,9 @@ import polars as pl
 import pytest
 import yaml
 
-from gr2model.block_diffusion import convert_to_block_diffusion
-from gr2model.checkpoint import save_hf_checkpoint
-from gr2model.rerank_format import FormatConfig
+from gr2model.models.block_diffusion import convert_to_block_diffusion
+from gr2model.models.checkpoint import save_hf_checkpoint
+from gr2model.task.rerank_format import FormatConfig
 
 from tiny import TOY_CANDIDATES, items_table, randomize, toy_items, toy_model, toy_tokenizer
 
@@ -86,8 +86,8 @@ def test_the_version_records_evaluates_setting(registered: Any) -> None:
 
 
 def test_served_answers_are_the_decoders_at_that_setting(registered: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    import gr2model.rerank_eval as rerank_eval
-    from gr2model.rerank_eval import decoder_kwargs, lm_rerank
+    import gr2model.eval.rerank_eval as rerank_eval
+    from gr2model.eval.rerank_eval import decoder_kwargs, lm_rerank
 
     seen: list[dict[str, Any]] = []
 

@@ -23,9 +23,9 @@ import polars as pl
 import pytest
 import yaml
 
-from gr2model.block_diffusion import convert_to_block_diffusion
-from gr2model.checkpoint import save_hf_checkpoint
-from gr2model.rerank_format import FormatConfig
+from gr2model.models.block_diffusion import convert_to_block_diffusion
+from gr2model.models.checkpoint import save_hf_checkpoint
+from gr2model.task.rerank_format import FormatConfig
 
 from tiny import TOY_CANDIDATES, items_table, randomize, toy_model, toy_tokenizer
 
@@ -110,7 +110,7 @@ def registered(tmp_path_factory: pytest.TempPathFactory) -> Any:
 
 
 def test_spec_answers_equal_gr2s_and_the_drafters_do_not(registered: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    import gr2model.rerank_eval as rerank_eval
+    import gr2model.eval.rerank_eval as rerank_eval
 
     # That it decodes speculatively (else plain GR2 would pass): the drafter's forwards are counted.
     outputs, draft_lens = [], []

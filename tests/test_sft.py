@@ -9,8 +9,8 @@ import torch
 from torch.utils.data import DataLoader
 from accelerate import Accelerator, debug_launcher
 
-from gr2model.ar_decode import ar_generate
-from gr2model.rerank_format import (
+from gr2model.decoding.ar_decode import ar_generate
+from gr2model.task.rerank_format import (
     FormatConfig,
     ItemText,
     build_full_text,
@@ -18,7 +18,7 @@ from gr2model.rerank_format import (
     build_response,
     parse_response,
 )
-from gr2model.sft import (
+from gr2model.training.sft import (
     IGNORE_INDEX,
     GlobalBatchShards,
     LengthGroupedBatches,
@@ -33,7 +33,7 @@ from gr2model.sft import (
     warmup_cosine_factor,
     weighted_lm_loss,
 )
-from gr2model.tokenizer import special_ids
+from gr2model.task.tokenizer import special_ids
 
 from tiny import agreeing_ranks, toy_examples, toy_items, toy_model, toy_tokenizer, two_process_worker
 

@@ -8,10 +8,10 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-import gr2model.speculative as sp
-from gr2model.ar_decode import ar_generate
-from gr2model.ar_model import build_ar_model
-from gr2model.speculative import (
+import gr2model.decoding.speculative as sp
+from gr2model.decoding.ar_decode import ar_generate
+from gr2model.models.ar_model import build_ar_model
+from gr2model.decoding.speculative import (
     Draft,
     DiffusionDrafter,
     SpeculativeDecodeOutput,

@@ -5,9 +5,9 @@ from __future__ import annotations
 import polars as pl
 import pytest
 
-from gr2model.bench import SPEC_FIELDS, decode_benchmark, speed_table
-from gr2model.block_diffusion import convert_to_block_diffusion
-from gr2model.rerank_format import FormatConfig
+from gr2model.eval.bench import SPEC_FIELDS, decode_benchmark, speed_table
+from gr2model.models.block_diffusion import convert_to_block_diffusion
+from gr2model.task.rerank_format import FormatConfig
 
 from tiny import TOY_CANDIDATES, randomize, toy_items, toy_model, toy_tokenizer
 

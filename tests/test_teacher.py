@@ -8,10 +8,10 @@ import numpy as np
 import polars as pl
 import pytest
 
-from gr2model.candidates import rerank_metrics, user_folds
-from gr2model.data import leave_one_out
-from gr2model.rerank_format import FormatConfig, ItemText, build_response, parse_response
-from gr2model.teacher import (
+from gr2model.data.candidates import rerank_metrics, user_folds
+from gr2model.data.dataset import leave_one_out
+from gr2model.task.rerank_format import FormatConfig, ItemText, build_response, parse_response
+from gr2model.teachers.teacher import (
     FEATURE_NAMES,
     TRACE_COLUMNS,
     TRACE_WORDS,

@@ -11,7 +11,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from gr2model.rerank_format import (
+from gr2model.task.rerank_format import (
     SPECIAL_TOKENS,
     FormatConfig,
     ItemText,
@@ -20,7 +20,7 @@ from gr2model.rerank_format import (
     build_response,
     parse_response,
 )
-from gr2model.tokenizer import build_tokenizer, extend_pretrained_tokenizer, format_tokens, special_ids
+from gr2model.task.tokenizer import build_tokenizer, extend_pretrained_tokenizer, format_tokens, special_ids
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "datasets" / "amazon-beauty"
 SCHEMA = {"item_id": pl.Int64, "sid": pl.List(pl.Int64), "attributes": pl.List(pl.Int64)}
@@ -81,7 +81,7 @@ def test_words_order_does_not_matter_and_bad_words_are_refused(table: pl.DataFra
 
 
 def test_evidence_tokens_join_the_vocabulary_only_when_asked(table: pl.DataFrame) -> None:
-    from gr2model.rerank_format import EVIDENCE_LEVELS
+    from gr2model.task.rerank_format import EVIDENCE_LEVELS
 
     with_ev = build_tokenizer(table, WORDS, max_evidence=3)
     plain = build_tokenizer(table, WORDS)

@@ -27,10 +27,10 @@ import torch
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState
 
-from gr2model.ar_model import ARModelConfig, build_ar_model
-from gr2model.checkpoint import save_hf_checkpoint
-from gr2model.rerank_format import FormatConfig, ItemText, build_prompt, build_response
-from gr2model.tokenizer import build_tokenizer, special_ids
+from gr2model.models.ar_model import ARModelConfig, build_ar_model
+from gr2model.models.checkpoint import save_hf_checkpoint
+from gr2model.task.rerank_format import FormatConfig, ItemText, build_prompt, build_response
+from gr2model.task.tokenizer import build_tokenizer, special_ids
 
 # ------------------------------------------------------------------ models
 
