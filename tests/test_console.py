@@ -173,9 +173,11 @@ class _Clock:
         return self.t
 
 
-def test_live_line_on_a_terminal_is_redrawn_in_place_around_log_lines(tmp_path: Path) -> None:
+def test_live_line_on_a_terminal_is_redrawn_in_place_around_log_lines(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import flows.console as console
     from flows.console import BarState, stage_progress
+
+    monkeypatch.setenv("COLUMNS", "100")  # the line is cut to the terminal's width; pytest-xdist's workers see another
 
     out = io.StringIO()
     (tmp_path / "metrics").mkdir()
