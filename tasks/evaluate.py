@@ -522,8 +522,7 @@ def run(cfg: EvaluateConfig, root: Path, log: logging.Logger, tracker: StageTrac
             results[baseline][name], ranks[baseline][name] = scored(fixed_rankings(rankings, incoming), targets)
 
     gr2_tokens: dict[str, list[list[int]]] = {}  # split -> the gr2 row's tokens, the spec row's reference
-    firsts: dict[str, dict[str, list[int]]] = {}  # model -> split -> each example's first item (as parsed)
-    answers: dict[str, dict[str, Sequence[ParsedResponse]]] = {}  # row -> split -> the parsed answers (`write_rankings`)
+    answers: dict[str, dict[str, Sequence[ParsedResponse]]] = {}  # row -> split -> the parsed answers (agreement, `write_rankings`)
     # GR2 scores every LM row's explanations (`explanation_nll`): how much they read like its own.
     scorer = None
     if (root / GR2).exists() and state.is_main_process:
@@ -534,12 +533,11 @@ def run(cfg: EvaluateConfig, root: Path, log: logging.Logger, tracker: StageTrac
 
     def decode_row(row: str, model: Any, tok: Any, on: dict[str, pl.DataFrame], **how: Any) -> None:
         """One row of the table: `model` decoded on every split of `on` as `how` says (`_decode_eval`)."""
-        results[row], ranks[row], firsts[row] = {}, {}, {}
+        results[row], ranks[row], answers[row] = {}, {}, {}
         for name, df in on.items():
             with timed(log, f"{row} on {name} ({df.height} examples)", timings, f"{row}_{name}_s"):
                 results[row][name], ranks[row][name], out = _decode_eval(row, model.to(state.device), tok, df, items, fmt, cfg, state=state, **how)
-            firsts[row][name] = [p.ranking[0] for p in out.parsed]
-            answers.setdefault(row, {})[name] = out.parsed
+            answers[row][name] = out.parsed
             if scorer is not None and not how.get("response_prefix"):
                 with timed(log, f"{row} on {name}: explanations scored by GR2", timings, f"{row}_{name}_nll_s"):
                     nll = mean_explanation_nll(scorer, tok, df, items, fmt, out.sequences, batch_size=cfg.batch_size)
@@ -592,7 +590,7 @@ def run(cfg: EvaluateConfig, root: Path, log: logging.Logger, tracker: StageTrac
 
     with timed(log, f"bootstrap intervals ({cfg.bootstrap} resamples, paired differences)", timings, "bootstrap_s"):
         add_intervals(results, ranks, n_boot=cfg.bootstrap, seed=cfg.seed)
-    add_agreement(results, firsts)
+    add_agreement(results, {row: {name: [p.ranking[0] for p in parsed] for name, parsed in by.items()} for row, by in answers.items()})
     report = "\n\n".join(f"## {s}\n\n{markdown_table(results, s)}" for s in cfg.splits)
     ablation = "\n\n".join(
         f"## Ablation ({s}, {decoding_note(cfg)}; intervals: {cfg.bootstrap} bootstrap resamples, paired)\n\n{ablation_table(results, s)}"
