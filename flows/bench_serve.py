@@ -85,18 +85,19 @@ def request_mix(rows: list[dict[str, Any]], limits: ServeLimits, n: int, bad_sha
     return out
 
 
-def _send(url: str, req: Request, timeout_s: float) -> tuple[int, bytes, float]:
-    """(HTTP status, body, seconds); status 0 when the connection failed (counted as a server error)."""
+def send(url: str, body: bytes, timeout_s: float) -> tuple[int, bytes, float]:
+    """POST a JSON `body`: (HTTP status, answer body, seconds); status 0 when the connection failed
+    (the bench counts it as a server error)."""
     start = time.perf_counter()
-    http = urllib.request.Request(url, data=req.body, headers={"Content-Type": "application/json"}, method="POST")
+    http = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"}, method="POST")
     try:
         with urllib.request.urlopen(http, timeout=timeout_s) as resp:
-            status, body = resp.status, resp.read()
+            status, answer = resp.status, resp.read()
     except urllib.error.HTTPError as err:
-        status, body = err.code, err.read()
+        status, answer = err.code, err.read()
     except OSError as err:  # reset, refused, timed out: the server failed this request
-        status, body = 0, str(err).encode()
-    return status, body, time.perf_counter() - start
+        status, answer = 0, str(err).encode()
+    return status, answer, time.perf_counter() - start
 
 
 def _valid_rankings(body: bytes, candidates: list[list[int]]) -> bool:
@@ -151,7 +152,7 @@ def run_load(base_url: str, requests: list[Request], concurrency: int, timeout_s
     """Send `requests` to `base_url`/invocations, `concurrency` at a time, and judge every answer."""
     start = time.perf_counter()
     with ThreadPoolExecutor(max_workers=concurrency) as pool:
-        results = list(pool.map(lambda r: _send(f"{base_url}/invocations", r, timeout_s), requests))
+        results = list(pool.map(lambda r: send(f"{base_url}/invocations", r.body, timeout_s), requests))
     seconds = time.perf_counter() - start
     failures = []
     for i, (req, (status, body, _)) in enumerate(zip(requests, results, strict=True)):

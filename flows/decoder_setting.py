@@ -16,6 +16,9 @@ from tasks.common import Count, Unit
 
 DECODER_ARTIFACT = "decoder"  # decoder.json among a re-ranker version's artifacts
 DECODER_TAG = "decoder."  # the prefix of the setting's tags on the version
+# The `eval.checkpoint_md5` / `speed.checkpoint_md5` tag when dvc.lock could not tie the numbers to the
+# version's checkpoint: the gates and `gr2 serve-check` refuse such numbers.
+UNVERIFIED = "unverified"
 
 
 class DecoderSetting(BaseModel):

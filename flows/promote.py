@@ -58,6 +58,7 @@ from prefect.runtime import flow_run
 from pydantic import BaseModel
 
 from flows import dvc_stages
+from flows.decoder_setting import UNVERIFIED
 from flows.registry import (
     CHALLENGER, MODEL_STAGES, DecoderSetting, ModelStage, evaluate_setting, find_version, find_versions, version_description, version_setting,
 )  # fmt: skip
@@ -73,9 +74,6 @@ SPEED_METRICS = "metrics/speed.json"
 SPEED_FIELDS = ("speedup", "seconds_per_example", "seconds_min", "seconds_max", "repeats", "tokens_per_s", "tokens_per_s_speedup",
                 "nfe_per_token", "response_tokens", "recall@1", "valid_format_rate",
                 "mean_accepted_length", "equal_to_gr2")  # the last two: speculative rows only  # fmt: skip
-# The checkpoint hash recorded when dvc.lock cannot tie a metrics file to the version's checkpoint:
-# such numbers are attached (so they can be seen) but `judge` refuses to promote on them.
-UNVERIFIED = "unverified"
 
 
 # ---------------------------------------------------------------------------

@@ -17,22 +17,18 @@ write, or examples that are not the ones evaluate ranked.
 
 from __future__ import annotations
 
-import hashlib
 import json
-import urllib.error
-import urllib.request
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import polars as pl
-import yaml
-
-from flows.decoder_setting import DecoderSetting
+from flows.decoder_setting import UNVERIFIED, DecoderSetting
+from flows.dvc_stages import lock_entry
+from tasks.results import file_md5
 
 RANKINGS = Path("reports/rankings.parquet")  # tasks.evaluate.RANKINGS (not imported: it pulls torch and the models)
-UNVERIFIED = "unverified"
 
 
 class ServeCheckError(Exception):
@@ -85,25 +81,14 @@ def version_row(tags: Mapping[str, str]) -> tuple[str, str]:
     return row, label
 
 
-def _md5(path: Path) -> str:
-    h = hashlib.md5()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def check_rankings_file(root: Path) -> Path:
     """The rankings file, when it is the one `dvc.lock`'s evaluate stage wrote (or no lock records it)."""
     path = root / RANKINGS
     if not path.exists():
         raise ServeCheckError(f"{path}: no such file; run `gr2 run --stage evaluate` (it writes every row's rankings)")
-    lock = root / "dvc.lock"
-    if lock.exists():
-        outs = (yaml.safe_load(lock.read_text()) or {}).get("stages", {}).get("evaluate", {}).get("outs", [])
-        recorded = next((o.get("md5") for o in outs if o.get("path") == RANKINGS.as_posix()), None)
-        if recorded is not None and recorded != _md5(path):
-            raise ServeCheckError(f"{path} is not the file dvc.lock's evaluate wrote (md5 {recorded}): the workspace changed since")
+    recorded = lock_entry(root, "evaluate")["outs"].get(RANKINGS.as_posix())
+    if recorded is not None and recorded != file_md5(path):
+        raise ServeCheckError(f"{path} is not the file dvc.lock's evaluate wrote (md5 {recorded}): the workspace changed since")
     return path
 
 
@@ -125,14 +110,13 @@ def differences(evaluated: Sequence[Sequence[int]], served_rankings: Sequence[Se
 
 
 def _predict(url: str, rows: list[dict[str, Any]], max_new_tokens: int, timeout_s: float = 600.0) -> list[list[int]]:
+    from flows.bench_serve import send  # imports the registry (MLflow): only once something is served
+
     body = json.dumps({"dataframe_records": rows, "params": {"max_new_tokens": max_new_tokens}}).encode()
-    req = urllib.request.Request(f"{url}/invocations", data=body, headers={"Content-Type": "application/json"}, method="POST")
-    try:
-        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
-            preds = json.loads(resp.read())["predictions"]
-    except urllib.error.HTTPError as err:
-        raise ServeCheckError(f"the server answered {err.code}: {err.read().decode(errors='replace')[:500]}") from None
-    return [[int(i) for i in p["ranking"]] for p in preds]
+    status, answer, _ = send(f"{url}/invocations", body, timeout_s)
+    if status != 200:
+        raise ServeCheckError(f"the server answered {status or 'nothing'}: {answer.decode(errors='replace')[:500]}")
+    return [[int(i) for i in p["ranking"]] for p in json.loads(answer)["predictions"]]
 
 
 def serve_check(

@@ -46,6 +46,7 @@ __all__ = [
     "load_results",
     "model_order",
     "read_evaluate",
+    "file_md5",
     "read_stamp",
     "render_results",
     "replace_block",
@@ -154,8 +155,17 @@ def _git(root: Path, *args: str) -> str | None:
     return done.stdout if done.returncode == 0 else None
 
 
+def file_md5(path: Path) -> str:
+    """The md5 of a file's bytes, as dvc.lock records an output's (read in chunks: checkpoints are large)."""
+    h = hashlib.md5()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
 def read_stamp(root: Path) -> Stamp:
-    """The workspace's commit (None without git) and dvc.lock's output md5s (empty without dvc.lock)."""
+    """The workspace's commit (None without git) and dvc.lock's output md5s (empty without a readable dvc.lock)."""
     head = _git(root, "rev-parse", "HEAD")
     status = _git(root, "status", "--porcelain", "--untracked-files=no") if head else None
     # dvc.lock is rewritten by every run, so it does not make the source dirty (as the registry's lineage tags).
@@ -172,7 +182,7 @@ def read_stamp(root: Path) -> Stamp:
     recorded = outs.get("evaluate", {}).get(str(EVALUATE))
     matches = None
     if recorded and (root / EVALUATE).is_file():
-        matches = hashlib.md5((root / EVALUATE).read_bytes()).hexdigest() == recorded
+        matches = file_md5(root / EVALUATE) == recorded
     return Stamp(commit=head.strip() if head else None, dirty=dirty, outs=outs, evaluate_matches_lock=matches)
 
 
