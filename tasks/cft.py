@@ -51,13 +51,9 @@ class CftStageConfig(StageConfig):
 CONFIG = CftStageConfig
 
 
-def run(
-    cfg: CftStageConfig, root: Path, log: logging.Logger, tracker: StageTracker, resume: StageResume | None = None
-) -> dict[str, Any]:
-    """Convert `checkpoints/gr2`, fine-tune on the trajectories, save `checkpoints/dgr2-cft`."""
-    timings: dict[str, float] = {}
-    start = time.perf_counter()
-    torch.manual_seed(cfg.seed)
+def trajectory_pairs(root: Path, cfg: CftStageConfig, log: logging.Logger) -> tuple[int, list[tuple[str, str]], list[tuple[str, str]]]:
+    """(trajectories in the file, train pairs, validation pairs): the (prompt, response) pairs CFT trains
+    and validates on, as `cfg` selects them (only_valid, max_examples, the seeded split)."""
     table = pl.read_parquet(root / TRAJECTORIES / "train.parquet")
     kept = table.filter(pl.col("valid_permutation")) if cfg.only_valid else table
     pairs = list(zip(kept["prompt"].to_list(), kept["response"].to_list(), strict=True))
@@ -73,6 +69,17 @@ def run(
         "%d trajectories, %d kept (only_valid=%s), %d used (max_examples=%d): %d train / %d validation",
         table.height, kept.height, cfg.only_valid, len(pairs), cfg.max_examples, len(train), len(valid),
     )  # fmt: skip
+    return table.height, train, valid
+
+
+def run(
+    cfg: CftStageConfig, root: Path, log: logging.Logger, tracker: StageTracker, resume: StageResume | None = None
+) -> dict[str, Any]:
+    """Convert `checkpoints/gr2`, fine-tune on the trajectories, save `checkpoints/dgr2-cft`."""
+    timings: dict[str, float] = {}
+    start = time.perf_counter()
+    torch.manual_seed(cfg.seed)
+    n_trajectories, train, valid = trajectory_pairs(root, cfg, log)
 
     ar_model, tok = load_hf_checkpoint(root / GR2)
     ccfg = cfg.train
@@ -90,8 +97,8 @@ def run(
     last = next((h for h in reversed(result.history) if "loss" in h), {})
     valid_losses = [h for h in result.history if any(k.startswith("valid") for k in h)]
     return {
-        "trajectories": table.height,
-        "kept": len(pairs),
+        "trajectories": n_trajectories,
+        "kept": len(train) + len(valid),
         "train_examples": len(train),
         "valid_examples": len(valid),
         "block_size": ccfg.block_size,

@@ -12,10 +12,10 @@ from accelerate import debug_launcher
 
 from gr2model.models.block_diffusion import block_causal_mask, convert_to_block_diffusion
 from gr2model.training.cft import (
-    _loss_sums,
     KIND_ANSWER,
     KIND_PAD,
     KIND_REASONING,
+    CFTAnchor,
     CFTConfig,
     _loss_sums,
     block_diffusion_loss,
@@ -463,3 +463,50 @@ def test_cft_makes_the_naive_conversion_decode_valid_rankings(tok, items) -> Non
     assert naive_valid <= 0.5 * len(examples) or naive_tpf <= 1.05
     assert valid >= 0.9 * len(examples) and exact >= 0.8 * len(examples)
     assert tpf > 1.5 and tpf > naive_tpf + 0.4
+
+
+# ------------------------------------------------------------------- anchor
+
+
+def test_anchor_draws_are_a_function_of_the_call_and_split_over_processes(tok, items) -> None:
+    """Batch c walks a seeded shuffle, a fresh one per pass: every example once per pass, the
+    same batch for the same call whatever came before, and two processes' shares together are
+    one process's batch."""
+    examples = toy_examples(items)[:10]
+    cfg = CFTConfig(block_size=4)
+    one = CFTAnchor(tok, examples, cfg, batch_size=4, seed=1)
+    first_pass = [i for c in range(3) for p, i in one.draws(c) if p == 0]
+    assert sorted(first_pass) == list(range(10))
+    assert CFTAnchor(tok, examples, cfg, batch_size=4, seed=1).draws(5) == one.draws(5)
+    assert CFTAnchor(tok, examples, cfg, batch_size=4, seed=2).draws(0) != one.draws(0)
+    model = convert_to_block_diffusion(toy_model(tok), tok, 4)
+    shares = [CFTAnchor(tok, examples, cfg, batch_size=4, seed=1, rank=r, world=2) for r in (0, 1)]
+    assert shares[0].draws(2) == shares[1].draws(2) == one.draws(2) == one.share(2)  # one global batch
+    assert sorted(shares[0].share(2) + shares[1].share(2)) == sorted(one.draws(2))
+    assert torch.equal(one(model, torch.device("cpu"), 2), one(model, torch.device("cpu"), 2))
+
+
+def test_anchor_is_the_cft_loss_of_its_batch_with_grad(tok, items) -> None:
+    """The anchor's value is sum(w * nll) / sum(w) of `build_cft_batch` on its draws (noise of the
+    epoch past CFT's own), and it trains: steps on it lower it."""
+    examples = toy_examples(items)
+    cfg = CFTConfig(block_size=4, epochs=2, answer_weight=3.0)
+    anchor = CFTAnchor(tok, examples, cfg, batch_size=6, seed=0)
+    model = convert_to_block_diffusion(toy_model(tok), tok, 4)
+    drawn = anchor.draws(0)
+    enc = [encode_cft_example(tok, *examples[i], cfg) for _, i in drawn]
+    masks = [example_masks(len(e["response_ids"]), cfg, epoch=cfg.epochs + p, index=i) for e, (p, i) in zip(enc, drawn)]
+    batch = build_cft_batch(enc, masks, block_size=4, mask_id=tok.mask_token_id, pad_id=tok.pad_token_id)
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                       position_ids=batch["position_ids"], use_cache=False).logits
+    want = block_diffusion_loss(logits, batch["targets"], batch["weights"])
+    got = anchor(model, torch.device("cpu"), 0)
+    assert got.requires_grad and float(got) == pytest.approx(float(want), rel=1e-5)
+    opt = torch.optim.AdamW(model.parameters(), lr=5e-3)
+    for call in range(30):
+        opt.zero_grad()
+        anchor(model, torch.device("cpu"), call).backward()
+        opt.step()
+    with torch.no_grad():
+        assert float(anchor(model, torch.device("cpu"), 0)) < 0.5 * float(want)

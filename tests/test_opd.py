@@ -25,7 +25,11 @@ from gr2model.training.opd import (
     train_opd,
 )
 
-from tiny import equals_one_process, one_item_tokenizer, random_prompts, tiny_model, two_process_worker
+from gr2model.training.cft import CFTAnchor, CFTConfig, encode_cft_example
+from tiny import (
+    equals_one_process, one_item_tokenizer, random_prompts, tiny_model, toy_examples, toy_items, toy_model, toy_tokenizer,
+    two_process_worker,
+)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -260,3 +264,32 @@ def test_micro_batches_take_the_same_step(tok) -> None:
         assert [h["kl"] for h in other.history] == pytest.approx([h["kl"] for h in runs[0].history], abs=1e-5)
         pairs = zip(runs[0].model.parameters(), other.model.parameters())
         assert all(torch.allclose(a, b, atol=1e-5) for a, b in pairs)
+
+
+def test_train_opd_keeps_the_cft_loss_it_is_anchored_to() -> None:
+    """With cft_weight > 0 every optimizer step also trains the anchor (called once per step,
+    numbered in order): the student ends nearer CFT's loss than the same run without it."""
+    tok, items = toy_tokenizer(), toy_items()
+    examples = toy_examples(items)
+    ccfg = CFTConfig(block_size=4)
+    prompts = [encode_cft_example(tok, p, r, ccfg)["prompt_ids"] for p, r in examples[:8]]
+    teacher = toy_model(tok, seed=0)
+    cfg = OPDConfig(rollouts_per_prompt=2, prompts_per_step=4, steps=6, minibatch_size=4, lr=3e-3, threshold=0.5,
+                    max_new_tokens=8)
+    anchor = CFTAnchor(tok, examples, ccfg, batch_size=4)
+    calls: list[int] = []
+
+    def recording(model, device, call):
+        calls.append(call)
+        return anchor(model, device, call)
+
+    plain = train_opd(convert_to_block_diffusion(toy_model(tok, seed=1), tok, 4), teacher, tok, prompts, cfg)
+    kept = train_opd(convert_to_block_diffusion(toy_model(tok, seed=1), tok, 4), teacher, tok, prompts,
+                     replace(cfg, cft_weight=5.0), anchor=recording)
+    assert calls == list(range(6 * 2))  # 8 rollouts a step in minibatches of 4
+    assert all(h["cft_loss"] > 0 for h in kept.history) and "cft_loss" not in plain.history[0]
+    probe = CFTAnchor(tok, examples, ccfg, batch_size=len(examples), seed=9)
+    with torch.no_grad():
+        assert float(probe(kept.model, torch.device("cpu"), 0)) < 0.8 * float(probe(plain.model, torch.device("cpu"), 0))
+    with pytest.raises(ValueError, match="anchor"):
+        train_opd(convert_to_block_diffusion(toy_model(tok), tok, 4), teacher, tok, prompts, replace(cfg, cft_weight=1.0))

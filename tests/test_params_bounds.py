@@ -127,7 +127,7 @@ BOUNDS: dict[str, dict[str, B]] = {
         "minibatch_size": COUNT, "lr": POS, "weight_decay": NONNEG, "teacher_top_k": CAP, "threshold": UNIT,
         "sub_block_size": I(ge=1, optional=True), "temperature": NONNEG,  # 0: greedy rollouts
         "max_new_tokens": COUNT, "max_copies": COUNT, "micro_batch_columns": ANY_I,  # <= 0: all at once
-        "seed": SEED, "grad_clip": ANY_F,
+        "seed": SEED, "grad_clip": ANY_F, "cft_weight": NONNEG, "cft_batch_size": COUNT,
     },
     "rl": {"seed": SEED, "max_prompts": CAP, "format_bonus": NONNEG, "invalid_penalty": F(le=0)},
     "rl.train": {

@@ -115,6 +115,7 @@ __all__ = [
     "build_cft_batch",
     "block_diffusion_loss",
     "train_cft",
+    "CFTAnchor",
 ]
 
 log = logging.getLogger(__name__)
@@ -720,3 +721,58 @@ def train_cft(
         checkpointer=checkpointer,
     )
     return CFTResult(model=trained, history=history, steps=steps)
+
+
+class CFTAnchor:
+    """CFT's loss on GR2's trajectories, for a later stage to keep in its own updates (OPD's `cft_weight`).
+
+    Call number c draws slots c*batch_size .. (c+1)*batch_size - 1 of a stream that walks a seeded
+    shuffle of `examples` (a fresh shuffle per pass; this process takes its share, slots
+    rank::world of the global batch), noises each example as CFT does (`example_masks`, in epochs
+    past CFT's own, so the noise is new) and returns the mean weighted NLL of their masked tokens,
+    with grad. The batch is a function of c alone: a resumed run draws what an uninterrupted one
+    would, and several processes draw together exactly what one would.
+    """
+
+    def __init__(
+        self,
+        tok: PreTrainedTokenizerBase,
+        examples: Sequence[tuple[str, str]],
+        cfg: CFTConfig,
+        *,
+        batch_size: int,
+        seed: int = 0,
+        rank: int = 0,
+        world: int = 1,
+    ) -> None:
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        self.encoded = _encode_all(tok, examples, cfg, "CFT anchor")
+        if not self.encoded:
+            raise ValueError("CFT anchor: no example with a response block")
+        self.cfg, self.batch_size, self.seed, self.rank, self.world = cfg, batch_size, seed, rank, world
+        self.pad_id, self.mask_id = tok.pad_token_id, tok.mask_token_id
+
+    def draws(self, call: int) -> list[tuple[int, int]]:
+        """The global batch of call number `call`: (pass over the examples, example index) per slot."""
+        n = len(self.encoded)
+        out = []
+        for k in range(call * self.batch_size, (call + 1) * self.batch_size):
+            order = torch.randperm(n, generator=torch.Generator().manual_seed(_mix_seed(self.seed, k // n)))
+            out.append((k // n, int(order[k % n])))
+        return out
+
+    def share(self, call: int) -> list[tuple[int, int]]:
+        """This process's part of `draws(call)`: slots rank, rank + world, ..."""
+        return self.draws(call)[self.rank :: self.world]
+
+    def __call__(self, model: torch.nn.Module, device: torch.device, call: int) -> torch.Tensor:
+        """Scalar: sum(w * nll) / sum(w) over this process's share of batch `call` (0, no grad, with no share)."""
+        mine = self.share(call)
+        if not mine:
+            return torch.zeros((), device=device)
+        # Passes past CFT's own epochs: noise CFT never drew for that example.
+        masks = [example_masks(len(self.encoded[i]["response_ids"]), self.cfg, epoch=self.cfg.epochs + p, index=i) for p, i in mine]
+        batch = _batch_on(self.encoded, [i for _, i in mine], masks, self.cfg, self.mask_id, self.pad_id, device)
+        weighted, stats, _ = _loss_sums(model, batch)
+        return weighted / stats[0].clamp(min=torch.finfo(torch.float32).tiny)

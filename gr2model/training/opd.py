@@ -277,6 +277,11 @@ class OPDConfig:
         budget should pay; it is a knob.
     seed: prompt order and sampling.
     grad_clip: max global gradient norm (<= 0 disables).
+    cft_weight: every optimizer step also trains CFT's loss on GR2's trajectories
+        at this weight beside the KL (`train_opd(anchor=...)`,
+        `gr2model.training.cft.CFTAnchor`): the student learns from its own
+        rollouts without unlearning the structure CFT taught it. 0: KL only.
+    cft_batch_size: trajectories of that loss per optimizer step (global).
     """
 
     rollouts_per_prompt: int = 4
@@ -296,16 +301,18 @@ class OPDConfig:
     micro_batch_columns: int = 16_384
     seed: int = 0
     grad_clip: float = 1.0
+    cft_weight: float = 0.0
+    cft_batch_size: int = 8
 
     def __post_init__(self) -> None:
         for name in ("rollouts_per_prompt", "prompts_per_step", "steps", "inner_epochs", "minibatch_size",
-                     "max_new_tokens", "max_copies"):
+                     "max_new_tokens", "max_copies", "cft_batch_size"):
             check(self, name, ge=1)
         if self.kind not in ("forward", "reverse"):
             raise ValueError(f"kind must be 'forward' or 'reverse', got {self.kind!r}")
         check(self, "lr", gt=0)
         # temperature 0 is allowed: the rollouts then decode greedily.
-        for name in ("weight_decay", "teacher_top_k", "temperature", "seed"):
+        for name in ("weight_decay", "teacher_top_k", "temperature", "seed", "cft_weight"):
             check(self, name, ge=0)
         # A confidence threshold: 0 commits every proposal, 1 only certain ones.
         check(self, "threshold", ge=0, le=1)
@@ -377,6 +384,7 @@ def train_opd(
     on_step: Callable[[dict[str, float]], None] | None = None,
     accelerator: Accelerator | None = None,
     checkpointer: Checkpointer | None = None,
+    anchor: Callable[[torch.nn.Module, torch.device, int], torch.Tensor] | None = None,
 ) -> OPDResult:
     """Distil `teacher` into the block-diffusion `student` on the student's own rollouts.
 
@@ -390,7 +398,8 @@ def train_opd(
     3. update: cfg.inner_epochs passes over shuffled minibatches; per
        minibatch, the student's logits at every response position from the
        replayed canvases (`gr2model.training.diffusion_replay`), the per-token KL to the
-       teacher, averaged over the global minibatch's tokens; one optimizer step.
+       teacher, averaged over the global minibatch's tokens, plus cfg.cft_weight
+       times `anchor`'s loss (when cfg.cft_weight > 0); one optimizer step.
     The student stays in eval mode (no dropout: the replay must score the
     function that decoded). The teacher is never updated.
 
@@ -411,10 +420,18 @@ def train_opd(
         accelerator: the Accelerator to run under (a default one when None).
         checkpointer: resume from its newest state and save as it says
             (`gr2model.training.dapo.PolicyRun.restore`); None: no state.
+        anchor: called once per optimizer step on every process with (the
+            student, its device, the step's number in the run); returns a scalar
+            loss to add at cfg.cft_weight (`gr2model.training.cft.CFTAnchor`, whose
+            batch is a function of that number, so a resumed run draws the same).
+            Required when cfg.cft_weight > 0.
     Returns:
-        OPDResult (student unwrapped, eval mode).
+        OPDResult (student unwrapped, eval mode); with an anchor each step's
+        metrics also carry cft_loss (its mean over the step's calls).
     """
     accelerator = accelerator or Accelerator()
+    if cfg.cft_weight > 0 and anchor is None:
+        raise ValueError(f"cft_weight={cfg.cft_weight} needs an anchor (the CFT loss to keep)")
     pad_id, eos_id, mask_id, block_size = decoding_ids(student, tok)
     # Before any work: a sub-block size that does not tile the student's blocks.
     check_sub_block_size(block_size, cfg.sub_block_size)
@@ -479,13 +496,24 @@ def train_opd(
         keys = [(slot, m) for slot in slots for m in range(cfg.rollouts_per_prompt)] if mine else []
         grad_norms: list[float] = []
         kl_sums = [[0.0, 0.0] for _ in range(cfg.inner_epochs)]  # per pass: KL sum, tokens
+        anchor_sums = [0.0, 0.0]  # CFT loss sum, calls
         replay = [0.0, 0.0, 0.0]  # canvases, rows, columns (first pass)
+        per_pass = -(-cfg.prompts_per_step * cfg.rollouts_per_prompt // cfg.minibatch_size)  # minibatches of a pass
         for epoch in range(cfg.inner_epochs):
-            for idx in shuffled_minibatches(keys, cfg.minibatch_size, run.shuffle_gen, world):
+            for mb, idx in enumerate(shuffled_minibatches(keys, cfg.minibatch_size, run.shuffle_gen, world)):
                 n_tok_local = sum(trajs[i].length for i in idx)
                 n_tok_global = global_sum([float(n_tok_local)])[0]
                 if n_tok_global == 0:
                     continue  # empty on every process: skip together
+                if anchor is not None and cfg.cft_weight > 0:
+                    # Before the KL parts: the last of those backwards is the one DDP all-reduces at.
+                    with accelerator.no_sync(model):
+                        with accelerator.autocast():
+                            kept = anchor(model, device, (step * cfg.inner_epochs + epoch) * per_pass + mb)
+                        if kept.requires_grad:
+                            accelerator.backward(cfg.cft_weight * kept)
+                    anchor_sums[0] += float(kept.detach())
+                    anchor_sums[1] += 1.0
                 if n_tok_local > 0:
                     widths = [
                         replay_columns(trajs[i], block_size=block_size, max_copies=cfg.max_copies) for i in idx
@@ -530,6 +558,8 @@ def train_opd(
             "replay_columns": replay[2],
             "reward_sum": sum(rewards),
             "rewards": float(len(rewards)),
+            "cft_loss_sum": anchor_sums[0],
+            "cft_calls": anchor_sums[1],
         }
         for k in info_keys:  # the same sorted keys on every process, so the same order
             local[f"info_sum:{k}"], local[f"info_count:{k}"] = info_sums.get(k, [0.0, 0.0])
@@ -554,6 +584,8 @@ def train_opd(
         }
         if reward_fn is not None:
             metrics["reward_mean"] = tot["reward_sum"] / max(tot["rewards"], 1.0)
+        if anchor is not None and cfg.cft_weight > 0:
+            metrics["cft_loss"] = tot["cft_loss_sum"] / max(tot["cft_calls"], 1.0)
         for k in info_keys:
             s, c = tot[f"info_sum:{k}"], tot[f"info_count:{k}"]
             metrics[k if k not in metrics else f"info_{k}"] = s / c if c > 0 else 0.0
