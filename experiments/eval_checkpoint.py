@@ -21,7 +21,9 @@ look while tuning, not a result (evaluate scores every example).
 
 Prints one JSON line per checkpoint and split, then, when several checkpoints
 are given, one line per later checkpoint and split with its paired differences
-to the first (`<metric>_vs_first`: R@1 and NDCG@3, same resamples).
+to the first (`<metric>_vs_first`: R@1 and NDCG@3, same resamples) and
+`top1_agreement_vs_first`, the share of examples whose first item (as parsed) is
+the first checkpoint's (`checkpoints/gr2` first: evaluate's `top1_agreement_vs_gr2`).
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from gr2model.models.checkpoint import load_hf_checkpoint
 from gr2model.data.dataset import load_prepared
 from gr2model.eval.rerank_eval import decoder_kwargs, fixed_rankings, lm_rerank, rerank_examples
 from gr2model.task.rerank_format import ItemText, no_reasoning_prefix
-from tasks.evaluate import CI_METRICS, add_intervals, paired_difference, scored
+from tasks.evaluate import CI_METRICS, add_intervals, paired_difference, scored, top1_agreement
 from tasks.traces import load_format, load_lists
 
 
@@ -67,6 +69,7 @@ def main() -> None:
     # The incoming order, scored as evaluate scores its prerank row: the reference of the paired differences.
     prerank = {s: scored(fixed_rankings(df["candidates"].to_list(), df["candidates"].to_list()), df["target"].to_list()) for s, df in lists.items()}
     first: dict[str, np.ndarray] = {}  # the first checkpoint's per-example target ranks, per split
+    first_items: dict[str, list[int]] = {}  # ... and each example's first item, as parsed
     runs = [(c, "") for c in a.checkpoints]
     if a.no_reasoning:
         runs += [(f"{c}:no-reasoning", no_reasoning_prefix(fmt)) for c in a.checkpoints]
@@ -75,6 +78,7 @@ def main() -> None:
         model.eval()
         results: dict[str, dict[str, dict]] = {"prerank": {s: m for s, (m, _) in prerank.items()}, ckpt: {}}
         ranks: dict[str, dict[str, np.ndarray]] = {"prerank": {s: r for s, (_, r) in prerank.items()}, ckpt: {}}
+        firsts: dict[str, list[int]] = {}
         seconds = {}
         for split, df in lists.items():
             t0 = time.perf_counter()
@@ -84,6 +88,7 @@ def main() -> None:
                 **decoder_kwargs(model, a.tau, sub_block_size=a.sub_block_size, explanation_threshold=a.explanation_tau, explanation_sub_block_size=a.explanation_sub_block_size, sub_block_cache=a.sub_block_cache),
             )
             results[ckpt][split], ranks[ckpt][split] = scored(result.parsed, df["target"].to_list())
+            firsts[split] = [p.ranking[0] for p in result.parsed]
             seconds[split] = round(time.perf_counter() - t0, 1)
             # Per row, as the benchmark's: a batch forward serves each of its rows.
             results[ckpt][split]["tokens_per_forward"] = result.generated_tokens / max(row_forwards(result), 1)
@@ -93,13 +98,14 @@ def main() -> None:
         for split in lists:
             print(json.dumps({"checkpoint": ckpt, "split": split, **results[ckpt][split], "seconds": seconds[split]}), flush=True)
         if not first:
-            first = ranks[ckpt]
+            first, first_items = ranks[ckpt], firsts
             continue
         for split in lists:  # paired on the same examples in the same order, as evaluate's `_vs_` intervals
             vs = {
                 f"{metric}_vs_first": paired_difference(ranks[ckpt][split], first[split], metric, n_boot=2000, seed=0)
                 for metric in CI_METRICS
             }
+            vs["top1_agreement_vs_first"] = top1_agreement(firsts[split], first_items[split])
             print(json.dumps({"checkpoint": ckpt, "first": a.checkpoints[0], "split": split, **vs}), flush=True)
 
 
