@@ -16,6 +16,9 @@ checkpoint without running the stages that `evaluate` waits for.
 empty (`rerank_format.no_reasoning_prefix`, evaluate's `gr2-no-reasoning` row), as
 the checkpoint `<ckpt>:no-reasoning`, with its paired differences to the first.
 
+`--invalid-out DIR` keeps every invalid response with the check it failed; each line also
+counts them by check (`errors`).
+
 `--max-examples N` scores the first N examples of each split only: a quick
 look while tuning, not a result (evaluate scores every example).
 
@@ -30,6 +33,8 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections import Counter
+from collections.abc import Sequence
 import time
 from pathlib import Path
 
@@ -39,9 +44,20 @@ from gr2model.eval.bench import row_forwards
 from gr2model.models.checkpoint import load_hf_checkpoint
 from gr2model.data.dataset import load_prepared
 from gr2model.eval.rerank_eval import decoder_kwargs, fixed_rankings, lm_rerank, rerank_examples
-from gr2model.task.rerank_format import ItemText, no_reasoning_prefix
+from gr2model.task.rerank_format import ItemText, ParsedResponse, no_reasoning_prefix
 from tasks.evaluate import CI_METRICS, add_intervals, paired_difference, scored, top1_agreement
 from tasks.traces import load_format, load_lists
+
+
+def write_invalid(path: Path, parsed: Sequence[ParsedResponse], texts: Sequence[str], user_ids: Sequence[int]) -> None:
+    """One JSON line per invalid response: its example index, user, the parser's error and the decoded text."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lines = [
+        json.dumps({"example": i, "user_id": int(u), "error": p.error, "text": t})
+        for i, (p, t, u) in enumerate(zip(parsed, texts, user_ids, strict=True))
+        if p.error
+    ]
+    path.write_text("".join(line + "\n" for line in lines))
 
 
 def main() -> None:
@@ -59,6 +75,7 @@ def main() -> None:
     p.add_argument("--explanation-sub-block-size", type=int, default=None, help="its sub-block size past the answer (needs --constrained)")
     p.add_argument("--sub-block-cache", action="store_true", help="decode a diffusion checkpoint with the approximate sub-block cache")
     p.add_argument("--no-reasoning", action="store_true", help="also decode each checkpoint with its explanation forced empty")
+    p.add_argument("--invalid-out", type=Path, default=None, help="write every invalid response (the parser's error and the text) to DIR/<checkpoint>.<split>.jsonl")
     a = p.parse_args()
     fmt = load_format(a.root)
     ds, _ = load_prepared(a.root / "data/prepared")
@@ -88,6 +105,10 @@ def main() -> None:
                 **decoder_kwargs(model, a.tau, sub_block_size=a.sub_block_size, explanation_threshold=a.explanation_tau, explanation_sub_block_size=a.explanation_sub_block_size, sub_block_cache=a.sub_block_cache),
             )
             results[ckpt][split], ranks[ckpt][split] = scored(result.parsed, df["target"].to_list())
+            # Which check the invalid answers fail: duplicates and broken JSON call for different fixes.
+            results[ckpt][split]["errors"] = dict(Counter(p.error for p in result.parsed if p.error).most_common())
+            if a.invalid_out is not None:
+                write_invalid(a.invalid_out / f"{ckpt.replace('/', '_')}.{split}.jsonl", result.parsed, result.texts, df["user_id"].to_list())
             firsts[split] = [p.ranking[0] for p in result.parsed]
             seconds[split] = round(time.perf_counter() - t0, 1)
             # Per row, as the benchmark's: a batch forward serves each of its rows.
