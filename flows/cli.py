@@ -148,7 +148,7 @@ def cmd_results(args: argparse.Namespace) -> int:
     from tasks.results import ResultsError, write_results
 
     try:
-        written = write_results(Path(args.root), Path(args.out), None if args.no_readme else Path(args.readme))
+        written = write_results(Path(args.root), Path(args.out), None if args.no_readme else Path(args.readme), args.label)
     except ResultsError as exc:
         print(f"results: {exc}", file=sys.stderr)
         return 2
@@ -431,6 +431,7 @@ def build_parser() -> argparse.ArgumentParser:
     res.add_argument("--out", default="docs/results.md", help="the results page to write (default: docs/results.md)")
     res.add_argument("--readme", default="README.md", help="README whose results block (between its results markers) is rewritten (default: README.md)")
     res.add_argument("--no-readme", action="store_true", help="write the page only")
+    res.add_argument("--label", default=None, help="how the page names the workspace, e.g. \"the default profile\" (default: its path)")
     res.set_defaults(fn=cmd_results)
 
     ws = sub.add_parser("workspace", help="copy the project into a new folder with a params profile (e.g. smoke)")

@@ -415,11 +415,13 @@ def replace_block(text: str, block: str, *, name: str = "README") -> str:
     return text[:start] + block + text[stop + len(RESULTS_END) :]
 
 
-def write_results(root: Path, out: Path, readme: Path | None) -> list[Path]:
+def write_results(root: Path, out: Path, readme: Path | None, label: str | None = None) -> list[Path]:
     """Write `out` (docs/results.md) from the workspace `root` and, unless `readme` is None, rewrite its
-    results block. Returns the paths written. ResultsError (naming the file) on a missing or malformed input."""
+    results block. `label` names the workspace on the page (default: its path, relative to the current
+    folder when inside it). Returns the paths written. ResultsError (naming the file) on a missing or
+    malformed input."""
     res = load_results(root)
-    label = _label(Path(root), Path.cwd())
+    label = label or _label(Path(root), Path.cwd())
     text = render_results(res, label)
     if readme is not None:
         if not readme.is_file():

@@ -156,6 +156,10 @@ def test_write_results_writes_the_page_and_the_readme_block(tmp_path: Path) -> N
     # The same inputs give the same page: nothing in it depends on when it was written.
     write_results(ws, out, readme)
     assert out.read_text() == page
+    # A page kept in the project names its workspace by what it was, not by a path on one machine.
+    write_results(ws, out, readme, label="the default profile")
+    assert "from `the default profile`" in out.read_text() and "from `the default profile`" in readme.read_text()
+    assert str(ws) not in out.read_text()
 
 
 @pytest.mark.parametrize(
