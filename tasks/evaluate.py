@@ -358,9 +358,10 @@ def pick_spec_drafter(names: Sequence[str], available: Iterable[str]) -> str | N
 def spec_eval(
     name: str, gr2: Any, drafter: Any, tok: Any, df: pl.DataFrame, items: ItemText, fmt: Any, cfg: EvaluateConfig,
     reference: Sequence[Sequence[int]], state: PartialState | None = None,
-) -> tuple[dict[str, float], np.ndarray]:
+) -> tuple[dict[str, float], np.ndarray, list[ParsedResponse]]:
     """The speculative row on one split: GR2 verifies `drafter`'s drafts (greedy, `cfg.bench.spec_draft_len`
-    tokens per round in `cfg.bench.spec_steps` forwards); its metrics and per-example ranks.
+    tokens per round in `cfg.bench.spec_steps` forwards); its metrics, per-example ranks and parsed answers
+    (kept in `reports/rankings.parquet`, as every LM row's, for `gr2 serve-check spec-gr2@...`).
 
     The metrics add `equal_to_gr2_rate` (the share of examples whose tokens equal
     `reference`, GR2's greedy tokens on the same examples in the same order),
@@ -374,7 +375,7 @@ def spec_eval(
         speculative_stats(out), draft_len=cfg.bench.spec_draft_len, draft_steps=cfg.bench.spec_steps,
         draft_mode=cfg.bench.spec_draft_mode,
     )  # fmt: skip
-    return m, ranks
+    return m, ranks, list(out.parsed)
 
 
 def spec_report(results: dict[str, dict[str, dict[str, Any]]], splits: Sequence[str]) -> str:
@@ -574,11 +575,11 @@ def run(cfg: EvaluateConfig, root: Path, log: logging.Logger, tracker: StageTrac
         else:
             gr2, gr2_tok = load_hf_checkpoint(root / GR2)
             spec_name = SPEC_PREFIX + drafter
-            results[spec_name], ranks[spec_name] = {}, {}
+            results[spec_name], ranks[spec_name], answers[spec_name] = {}, {}, {}
             for name, df in diffusion_lists.items():
                 what = f"{spec_name} on {name} ({df.height} examples, GR2 verifying {drafter}'s drafts)"
                 with timed(log, what, timings, f"{spec_name}_{name}_s"):
-                    results[spec_name][name], ranks[spec_name][name] = spec_eval(
+                    results[spec_name][name], ranks[spec_name][name], answers[spec_name][name] = spec_eval(
                         spec_name, gr2.to(state.device), models[drafter][0].to(state.device), gr2_tok, df, items, fmt, cfg,
                         gr2_tokens[name][: df.height], state,
                     )  # fmt: skip

@@ -96,8 +96,10 @@ def test_evaluate_spec_row_equals_gr2(setup) -> None:
     for drafter_name, drafter in (("dgr2", dgr2), ("bad", other)):
         # On the first 3 examples, as the diffusion rows with diffusion_max_examples.
         name = SPEC_PREFIX + drafter_name
-        m, r = spec_eval(name, ar, drafter, tok, lists.head(3), items, FMT, cfg, gr2_out.sequences[:3])
+        m, r, parsed = spec_eval(name, ar, drafter, tok, lists.head(3), items, FMT, cfg, gr2_out.sequences[:3])
         assert m["equal_to_gr2_rate"] == 1.0 and m["n"] == 3
+        # Its answers are kept, to check a served spec-gr2 against: GR2's own rankings.
+        assert [p.ranking for p in parsed] == [p.ranking for p in gr2_out.parsed[:3]]
         assert (m["draft_len"], m["draft_steps"]) == (3, 2) and 0.0 <= m["mean_accepted_length"] <= 3
         assert m["ar_forwards_per_token"] > 0 and m["draft_forwards_per_token"] > 0
         assert (r == gr2_ranks[:3]).all()
