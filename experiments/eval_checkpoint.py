@@ -33,9 +33,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 from collections import Counter
 from collections.abc import Sequence
-import time
 from pathlib import Path
 
 import numpy as np
@@ -45,19 +45,19 @@ from gr2model.models.checkpoint import load_hf_checkpoint
 from gr2model.data.dataset import load_prepared
 from gr2model.eval.rerank_eval import decoder_kwargs, fixed_rankings, lm_rerank, rerank_examples
 from gr2model.task.rerank_format import ItemText, ParsedResponse, no_reasoning_prefix
+from tasks.common import write_text_atomic
 from tasks.evaluate import CI_METRICS, add_intervals, paired_difference, scored, top1_agreement
 from tasks.traces import load_format, load_lists
 
 
 def write_invalid(path: Path, parsed: Sequence[ParsedResponse], texts: Sequence[str], user_ids: Sequence[int]) -> None:
     """One JSON line per invalid response: its example index, user, the parser's error and the decoded text."""
-    path.parent.mkdir(parents=True, exist_ok=True)
     lines = [
         json.dumps({"example": i, "user_id": int(u), "error": p.error, "text": t})
         for i, (p, t, u) in enumerate(zip(parsed, texts, user_ids, strict=True))
         if p.error
     ]
-    path.write_text("".join(line + "\n" for line in lines))
+    write_text_atomic("".join(line + "\n" for line in lines), path)
 
 
 def main() -> None:
