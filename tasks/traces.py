@@ -33,7 +33,7 @@ from gr2model.data.candidates import rerank_metrics, write_parquet_atomic
 from gr2model.data.dataset import load_prepared
 from gr2model.teachers.ltr_teacher import LTR_FEATURE_NAMES, LTRConfig, LTRTeacher, evidence_values
 from gr2model.task.rerank_format import MAX_EVIDENCE, FormatConfig, ItemText, evidence_levels, fit_evidence_bins
-from gr2model.teachers.teacher import ExpertTeacher, TeacherConfig, TraceMode, generate_traces, teacher_accuracy
+from gr2model.teachers.teacher import ExpertTeacher, ReasoningStyle, TeacherConfig, TraceMode, generate_traces, teacher_accuracy
 from tasks.common import Cap, Count, Positive, Seed, StageConfig, atomic_dir, stage_main, timed
 from tasks.tracking import StageTracker
 
@@ -58,6 +58,9 @@ class TracesConfig(StageConfig):
     seed: Seed = 0
     # Leading answer positions that follow the kept ranking; the rest in the incoming order (0: all).
     ranked_positions: Cap = 0
+    # Step 2 of the explanation: evidence (the teacher's sentences about its top candidates) |
+    # scan (every candidate's evidence and the best so far; needs distill, answer index, evidence).
+    reasoning: ReasoningStyle = "evidence"
     # The prompt format of the whole re-ranker (shared by sft ... evaluate through format.json).
     history_len: Cap = 10  # 0 writes no history
     with_attributes: bool = True
@@ -87,6 +90,15 @@ class TracesConfig(StageConfig):
         if len(names) > MAX_EVIDENCE or len(set(names)) != len(names):
             raise ValueError(f"at most {MAX_EVIDENCE} distinct features, got {names}")
         return names
+
+    @model_validator(mode="after")
+    def _scan_needs_its_inputs(self) -> TracesConfig:
+        if self.reasoning == "scan":
+            if self.mode != "distill":
+                raise FieldRangeError("reasoning", f"'scan' needs mode 'distill' (mode is {self.mode!r}): its pick is the teacher's own argmax")
+            if self.answer != "index" or not self.evidence:
+                raise FieldRangeError("reasoning", f"'scan' needs answer 'index' and evidence in the prompt (answer {self.answer!r}, evidence {self.evidence})")
+        return self
 
     @model_validator(mode="after")
     def _unlabelled_need_distill(self) -> TracesConfig:
@@ -185,7 +197,10 @@ def run(cfg: TracesConfig, root: Path, log: logging.Logger, tracker: StageTracke
         examples = examples.head(cfg.max_examples)
     if cfg.unlabelled_lists:
         examples = pl.concat([examples, unlabelled_sample(train, cfg.unlabelled_lists, cfg.seed)])
-    tcfg = TeacherConfig(mode=cfg.mode, samples=cfg.samples, temperature=cfg.temperature, target_tokens=cfg.target_tokens, seed=cfg.seed, ranked_positions=cfg.ranked_positions)
+    tcfg = TeacherConfig(
+        mode=cfg.mode, samples=cfg.samples, temperature=cfg.temperature, target_tokens=cfg.target_tokens, seed=cfg.seed,
+        ranked_positions=cfg.ranked_positions, reasoning=cfg.reasoning,
+    )
     with timed(log, f"{cfg.mode} traces for {examples.height} training lists", timings, "generate_s"):
         traces, stats = generate_traces(teacher, examples, items, fmt, tcfg, unlabelled=cfg.unlabelled_lists != 0)
 

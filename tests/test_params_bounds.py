@@ -323,6 +323,15 @@ def test_cross_field_rules_name_the_field(tmp_path: Path) -> None:
     rejection["mode"] = "rejection"
     with pytest.raises(ParamsError, match=r"params\.yaml: traces\.unlabelled_lists: .*100 needs mode 'distill'"):
         load_section("traces", rejection)
+    scan = with_value("traces", "traces.reasoning", "scan")
+    load_section("traces", scan)  # the default profile's format has what the scan needs
+    scan["evidence"] = []
+    with pytest.raises(ParamsError, match=r"params\.yaml: traces\.reasoning: .*'scan' needs answer 'index' and evidence"):
+        load_section("traces", scan)
+    scan = with_value("traces", "traces.reasoning", "scan")
+    scan["mode"] = "targeted"
+    with pytest.raises(ParamsError, match=r"params\.yaml: traces\.reasoning: .*'scan' needs mode 'distill'"):
+        load_section("traces", scan)
     # A pretrained model's size comes from its folder: the from-scratch sizes are not checked then.
     pretrained = with_value("midtrain", "midtrain.model.num_heads", 3)
     pretrained["model"]["pretrained_path"] = str(ROOT / "no/such/folder")

@@ -20,6 +20,7 @@ from gr2model.teachers.teacher import (
     answer_order,
     generate_traces,
     plackett_luce_sample,
+    scan_reasoning,
     teacher_accuracy,
 )
 
@@ -429,3 +430,53 @@ def test_traces_keep_the_teachers_scores(world, traces) -> None:
     for scores, ranking, cands in zip(out["teacher_scores"].to_list(), out["ranking"].to_list(), lists["candidates"].to_list(), strict=True):
         assert len(scores) == len(cands)
         assert cands[int(np.argmax(scores))] == ranking[0]
+
+
+def test_scan_reasoning_keeps_the_best_so_far_with_its_evidence() -> None:
+    """Every candidate in the incoming order with its levels, then `pick` and the best so
+    far with its levels; a tie keeps the earlier candidate (a stable argsort's first)."""
+    evidence = [[1, 4], [2, 7], [0, 3], [5, 5]]
+    scores = [0.3, 0.9, 0.1, 0.9]
+    steps = " ".join(scan_reasoning(evidence, scores)).split(" . ")
+    assert steps[0] == "<pos_1> <ev1_1> <ev2_4> pick <pos_1> <ev1_1> <ev2_4>"
+    assert steps[1] == "<pos_2> <ev1_2> <ev2_7> pick <pos_2> <ev1_2> <ev2_7>"
+    assert steps[2] == "<pos_3> <ev1_0> <ev2_3> pick <pos_2> <ev1_2> <ev2_7>"
+    assert steps[3] == "<pos_4> <ev1_5> <ev2_5> pick <pos_2> <ev1_2> <ev2_7> ."
+    with pytest.raises(ValueError, match="3 candidates' evidence for 4 scores"):
+        scan_reasoning(evidence[:3], scores)
+    with pytest.raises(ValueError, match="needs evidence features"):
+        scan_reasoning([[], []], [0.0, 1.0])
+
+
+def test_scan_traces_work_out_the_decision_in_the_reasoning(world) -> None:
+    """reasoning 'scan': step 2 scans every candidate with the evidence levels its prompt
+    shows, the last pick is the answer's first item, and the response parses back to the
+    ranking; a format without evidence or a mode other than distill is refused up front."""
+    rng = np.random.default_rng(0)
+    lists = world["train"].head(120)
+    k = len(lists["candidates"][0])
+    lists = lists.with_columns(
+        pl.Series("evidence", [rng.integers(0, 8, size=(k, 2)).tolist() for _ in range(lists.height)], dtype=pl.List(pl.List(pl.Int8)))
+    )
+    fmt = FormatConfig(answer="index", evidence=("prerank_score", "co_after_all"), evidence_bins=((0.0,), (0.0,)))
+    cfg = TeacherConfig(mode="distill", ranked_positions=3, reasoning="scan")
+    out, _ = generate_traces(world["teacher"], lists, world["text"], fmt, cfg)
+    departs = 0
+    for response, ranking, cands, ev, scores in zip(
+        out["response"], out["ranking"].to_list(), lists["candidates"].to_list(), lists["evidence"].to_list(),
+        out["teacher_scores"].to_list(), strict=True,
+    ):  # fmt: skip
+        parsed = parse_response(response, cands, world["text"], fmt=fmt)
+        assert parsed.valid_permutation and parsed.ranking == ranking
+        step2 = parsed.explanation.split(" step 2 : ")[1].split(" step 3 : ")[0]
+        assert step2.split() == scan_reasoning(ev, scores)
+        steps = step2.split(" . ")
+        assert len(steps) == k
+        assert [s.split()[0] for s in steps] == [f"<pos_{i}>" for i in range(1, k + 1)]
+        assert steps[-1].split()[3] == "pick" and cands[int(steps[-1].split()[4][5:-1]) - 1] == ranking[0]
+        departs += ranking[0] != cands[0]
+    assert departs > 0
+    with pytest.raises(ValueError, match="needs answer 'index' and evidence"):
+        generate_traces(world["teacher"], lists.head(2), world["text"], FormatConfig(answer="index"), cfg)
+    with pytest.raises(ValueError, match="needs mode 'distill'"):
+        TeacherConfig(mode="rejection", reasoning="scan")

@@ -563,11 +563,12 @@ class LTRTeacher:
         fold: int | None = None,
         target_tokens: int | None = None,
         cite_positions: bool = False,
+        step2: Sequence[str] | None = None,
     ) -> list[str]:
         """The expert's three-step explanation of `ranking` (its evidence, its words; `ExpertTeacher.explain`)."""
         return self.expert.explain(
             history, candidates, ranking, rng, cand_scores=cand_scores, fold=fold, target_tokens=target_tokens,
-            cite_positions=cite_positions,
+            cite_positions=cite_positions, step2=step2,
         )
 
 

@@ -66,6 +66,7 @@ from gr2model.task.rerank_format import (
     attr_token,
     build_prompt,
     evidence_of,
+    evidence_token,
     build_response,
     pos_token,
     sid_token,
@@ -86,6 +87,8 @@ __all__ = [
     "teacher_features",
     "plackett_luce_sample",
     "answer_order",
+    "scan_reasoning",
+    "REASONING_STYLES",
     "generate_traces",
     "teacher_accuracy",
     "lookup_counts",
@@ -418,6 +421,8 @@ _T_REASON: dict[str, tuple[str, ...]] = {
 _T_STEP3 = ("{c} goes first because {reason} .", "{c} comes first since {reason} .")
 _T_STEP3_WEAK = ("{c} goes first , though the evidence for it is weak .",)
 _T_THEN = ("then {c} .", "{c} comes next .")
+# One step of the scan reasoning: a candidate's evidence, then the best candidate so far with its evidence.
+_T_SCAN = ("{c} {e} pick {b} {f} .",)
 _STEP_WORDS = ("step", "1", "2", "3", ":")
 _MAX_NUMBER = 50  # numbers up to this are written as digits; larger ones as "over 50"
 _COUNT_WORDS = ("once", "twice", "times", "over")
@@ -426,7 +431,7 @@ _ALL_TEMPLATES: tuple[str, ...] = (
     *_T_STEP1_LAST, *_T_STEP1_PREFIX, *_T_STEP1_ATTR, *_T_STEP1_VARIED, *_T_STEP1_EMPTY,
     *(t for ts in _T_EVIDENCE.values() for t in ts),
     *(t for ts in _T_REASON.values() for t in ts),
-    *_T_STEP3, *_T_STEP3_WEAK, *_T_THEN,
+    *_T_STEP3, *_T_STEP3_WEAK, *_T_THEN, *_T_SCAN,
 )  # fmt: skip
 
 TRACE_WORDS: tuple[str, ...] = tuple(
@@ -496,15 +501,19 @@ class Teacher(Protocol):
         fold: int | None = None,
         target_tokens: int | None = None,
         cite_positions: bool = False,
+        step2: Sequence[str] | None = None,
     ) -> list[str]:
         """Explanation tokens (words of TRACE_WORDS, sid, attribute and, with
         cite_positions, position tokens) for `ranking` (a permutation of
-        candidates), about target_tokens long."""
+        candidates), about target_tokens long; `step2`, when given, is written as
+        step 2 in place of the teacher's own (e.g. `scan_reasoning`)."""
         ...
 
 
 TraceMode = Literal["rejection", "targeted", "distill"]
 TRACE_MODES: tuple[str, ...] = get_args(TraceMode)
+ReasoningStyle = Literal["evidence", "scan"]
+REASONING_STYLES: tuple[str, ...] = get_args(ReasoningStyle)
 
 
 @dataclass(frozen=True)
@@ -525,6 +534,13 @@ class TeacherConfig:
     target_tokens: explanation length to aim for (whitespace tokens).
     seed: base seed; each example draws from its own (seed, user_id, position)
         stream, so a trace does not depend on which other examples are generated.
+    reasoning: what step 2 of the explanation writes. "evidence": the teacher's
+        evidence sentences about its top candidates, in its ranking's order (the
+        first candidate cited is the decision, taken before any of the
+        reasoning). "scan": `scan_reasoning`, every candidate's evidence and the
+        best so far, so the decision is worked out in the reasoning and the
+        answer's first item is its last pick. The scan needs mode "distill" (the
+        pick is the teacher's argmax) and evidence in the prompt.
     ranked_positions: how many leading positions of the answer follow the kept
         ranking (the teacher's order in distill, the sample in rejection); the
         other candidates follow in the incoming order. 0: the whole ranking.
@@ -540,10 +556,15 @@ class TeacherConfig:
     target_tokens: int = 130
     seed: int = 0
     ranked_positions: int = 0
+    reasoning: ReasoningStyle = "evidence"
 
     def __post_init__(self) -> None:
         if self.mode not in TRACE_MODES:
             raise ValueError(f"mode must be one of {TRACE_MODES}, got {self.mode!r}")
+        if self.reasoning not in REASONING_STYLES:
+            raise ValueError(f"reasoning must be one of {REASONING_STYLES}, got {self.reasoning!r}")
+        if self.reasoning == "scan" and self.mode != "distill":
+            raise ValueError(f"reasoning 'scan' picks the teacher's argmax, so it needs mode 'distill', not {self.mode!r}")
         check(self, "samples", ge=1)
         check(self, "temperature", gt=0)
         check(self, "target_tokens", ge=1)
@@ -799,8 +820,12 @@ class ExpertTeacher:
         fold: int | None = None,
         target_tokens: int | None = None,
         cite_positions: bool = False,
+        step2: Sequence[str] | None = None,
     ) -> list[str]:
         """Three-step explanation of `ranking` (see the module docstring).
+
+        step2: tokens written as step 2 in place of the evidence sentences (e.g.
+        `scan_reasoning`); steps 1 and 3 stay the teacher's.
 
         cite_positions: every candidate is cited as its incoming position token
         followed by its semantic id (`<pos_3> <a_1> <b_2> <c_3> <d_4>`), the form
@@ -901,6 +926,8 @@ class ExpertTeacher:
             if len(order) > 1:
                 step3 += _render(_pick(_T_THEN, rng), {"c": cite(order[1])})
 
+        if step2 is not None:
+            return step1 + ["step", "2", ":", *step2] + step3
         # Step 2: evidence sentences, in priority order, while they bring the length closer.
         sentences: dict[tuple[int, int], list[str]] = {}
         evidence = [kinds(idx_of[c]) for c in order]
@@ -997,6 +1024,44 @@ def plackett_luce_sample(scores: np.ndarray, temperature: float, rng: np.random.
     return np.argsort(-(s + rng.gumbel(size=s.shape)), kind="stable")
 
 
+def scan_reasoning(evidence: Sequence[Sequence[int]], scores: Sequence[float]) -> list[str]:
+    """The scan: every candidate in the incoming order, its evidence levels, then the
+    best candidate so far (by `scores`) with its levels.
+
+    `<pos_1> <ev1_7> <ev2_7> ... pick <pos_1> <ev1_7> <ev2_7> ... . <pos_2> ... pick <pos_1> ... .`
+
+    Why: the decision is an argmax over K candidates of a score the student must
+    learn from their evidence tokens. Written this way, each step asks one
+    comparison between two groups of evidence that sit side by side (the
+    candidate just read and the best so far, restated), so a small model learns
+    the score pairwise, with K - 1 supervised comparisons per list instead of one
+    answer token, and the answer's first item is the last step's pick.
+    Ties keep the earlier candidate, as a stable argsort of the scores does.
+
+    Args:
+        evidence: (K, F) levels of the prompt's evidence features, incoming order.
+        scores: (K,) the teacher's scores, higher = better.
+    Raises:
+        ValueError: evidence and scores of different lengths, or no evidence features.
+    """
+    if len(evidence) != len(scores):
+        raise ValueError(f"{len(evidence)} candidates' evidence for {len(scores)} scores")
+    if len(evidence) and not len(evidence[0]):
+        raise ValueError("the scan needs evidence features in the prompt (traces.evidence)")
+
+    def levels(i: int) -> list[str]:
+        return [evidence_token(f + 1, int(level)) for f, level in enumerate(evidence[i])]
+
+    out: list[str] = []
+    best = 0
+    for i in range(len(evidence)):
+        if scores[i] > scores[best]:
+            best = i
+        slots = {"c": [pos_token(i + 1)], "e": levels(i), "b": [pos_token(best + 1)], "f": levels(best)}
+        out += _render(_T_SCAN[0], slots)
+    return out
+
+
 def answer_order(ranking: Sequence[int], incoming: Sequence[int], ranked_positions: int) -> list[int]:
     """The first `ranked_positions` items of `ranking`, then the other candidates in the incoming order.
 
@@ -1051,6 +1116,11 @@ def generate_traces(
         mean_samples_tried, explanation_tokens_mean/median and
         response_tokens_mean/median (whitespace tokens, over kept traces), seconds.
     """
+    if cfg.reasoning == "scan" and (not fmt.evidence or fmt.answer != "index"):
+        raise ValueError(
+            f"reasoning 'scan' cites candidates by position with their evidence: it needs answer 'index' and evidence "
+            f"in the prompt (answer {fmt.answer!r}, evidence {list(fmt.evidence)})"
+        )
     if unlabelled and cfg.mode != "distill":
         raise ValueError(f"unlabelled lists can only be traced in mode 'distill', not {cfg.mode!r}: the other modes need the target")
     ex = lists if unlabelled else lists.filter(pl.col("target_rank") >= 0)
@@ -1082,9 +1152,10 @@ def generate_traces(
         prompt = build_prompt(history, cands, items, fmt, evidence)
         response = ""
         if ranking:
+            step2 = scan_reasoning(evidence, s) if cfg.reasoning == "scan" else None
             expl = teacher.explain(
                 history, cands, ranking, rng, cand_scores=cand_scores, fold=fold, target_tokens=cfg.target_tokens,
-                cite_positions=fmt.answer == "index",
+                cite_positions=fmt.answer == "index", step2=step2,
             )
             response = build_response(expl, ranking, items, fmt=fmt, candidates=cands)
             expl_lens.append(len(expl))
