@@ -104,3 +104,37 @@ def test_table_shows_time_per_example_and_spread(fake: list[tuple[str, int, bool
     assert "grammar" not in header
     assert set(bench.SPEED_FIELDS) >= {"repeats", "seconds_min", "seconds_max", "seconds_per_example", "tokens_per_s_speedup", "grammar"}
     assert not set(bench.SPEC_FIELDS) & {"repeats", "grammar", "seconds_per_example"}
+
+
+def test_batch_one_interleaves_example_by_example_and_drops_a_burst(monkeypatch: pytest.MonkeyPatch) -> None:
+    """At batch size 1 every row decodes example i all its passes before any row decodes i + 1,
+    a row's time is the sum over examples of the per-example median (a pass that a burst of
+    other load hit does not count), and its answers come back in the examples' order."""
+    calls: list[tuple[str, int]] = []
+    # Per row, the seconds of its successive timed calls: example 0's three passes, then example 1's, ...
+    burst = {"ar": [1.0, 1.0, 9.0] + [1.0] * 9, "hf": [2.0] * 12, "d": [0.5, 0.5, 0.5] * 3 + [0.5, 7.0, 0.5]}
+    timed: dict[str, int] = {}
+
+    def lm_rerank(model: Any, tok: Any, df: pl.DataFrame, items: Any, fmt: Any, *, desc: str, quiet: bool = False, **kw: Any) -> LMRerankResult:
+        key = _key(desc)
+        example = int(df["history"][0][0])
+        calls.append((key, example))
+        assert quiet  # one line per example and pass would flood the log
+        seconds = burst[key][timed.get(key, 0)]
+        timed[key] = timed.get(key, 0) + 1
+        return LMRerankResult(parsed=[None], texts=[""], generated_tokens=TOKENS[key], nfe=TOKENS[key], seconds=seconds, sequences=[[example]])
+
+    monkeypatch.setattr(bench, "lm_rerank", lm_rerank)
+    monkeypatch.setattr(bench, "block_diffusion_settings", lambda model: (4, 99))
+    monkeypatch.setattr(bench, "rerank_metrics", lambda parsed, targets: dict.fromkeys(("recall@1", "ndcg@3", "valid_format_rate", "valid_permutation_rate"), 0.5))
+    lists = pl.DataFrame({"history": [[e] for e in range(N)], "candidates": [[1, 2]] * N, "target": [1] * N})
+    spy: dict[str, LMRerankResult] = {}
+    real_row = bench._row
+    monkeypatch.setattr(bench, "_row", lambda job, out, s, t, m: spy.setdefault(job.meta["decoder"], out) and real_row(job, out, s, t, m))
+    ar, hf, d = bench.decode_benchmark(object(), {"dgr2": object()}, None, lists, None, None, taus=[0.9], batch_sizes=[1], max_new_tokens=8, warmup=False)
+    assert calls == [(key, e) for e in range(N) for _ in range(3) for key in ("ar", "hf", "d")]
+    # AR: example 0's 9 s pass is dropped by its median; 4 examples x 1 s. Its passes total 4, 4 and 12 s.
+    assert (ar["seconds"], ar["seconds_min"], ar["seconds_max"], ar["seconds_per_example"]) == (4.0, 4.0, 12.0, 1.0)
+    assert (d["seconds"], d["seconds_max"]) == (2.0, 8.5)
+    assert d["speedup"] == pytest.approx(1.0 / 0.5) and hf["speedup"] == pytest.approx(0.5)
+    assert spy["ar"].sequences == [[e] for e in range(N)] and spy["ar"].generated_tokens == TOKENS["ar"] * N

@@ -23,10 +23,13 @@ Rows (one per decoder, model, threshold, sub-block size and batch size):
     grammar: whether the row decoded under the answer grammar (True only on
         diffusion rows of a constrained bench; a served model decodes without)
     batch_size, n (examples)
-    repeats: timed passes of the row (after an untimed warm-up pass over every
-        row; the passes are interleaved: pass r of every row before pass r + 1)
-    seconds: the median over the passes of the decode time of all n examples
-        (tokenisation excluded); seconds_min, seconds_max: the spread of the passes
+    repeats: timed passes of the row (after an untimed warm-up over every row),
+        interleaved: at batch size 1 example by example (every row decodes example
+        i `repeats` times before any decodes i + 1), at larger batch sizes pass by
+        pass (pass r of every row before pass r + 1)
+    seconds: the decode time of all n examples (tokenisation excluded): at batch size
+        1 the sum over examples of the median of the example's passes, else the
+        median pass; seconds_min, seconds_max: the fastest and slowest pass's total
     seconds_per_example: seconds / n, the time to a full response
     tokens_per_s: generated tokens (eos included) per second of decoding (median pass)
     speedup: the best AR seconds_per_example at this batch size / the row's: how
@@ -79,6 +82,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import polars as pl
+from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from gr2model.decoding.ar_decode import ar_generate, hf_generate
@@ -144,16 +148,51 @@ class _Job:
     """One row of the benchmark before it is timed: what it decodes with and how to decode it."""
 
     meta: dict[str, Any]  # the row's setting fields (decoder, model, tau, ..., grammar, batch_size)
-    decode: Callable[[pl.DataFrame], LMRerankResult]
+    decode: Callable[..., LMRerankResult]  # (table, quiet=False) -> its decode
     spec: tuple[int, int, str] | None = None  # (draft_len, draft_steps, draft_mode) of a speculative row
 
 
-def _row(job: _Job, out: LMRerankResult, seconds: Sequence[float], targets: Sequence[int]) -> dict[str, Any]:
-    """A row from the job's decode (tokens, answers) and its timed repeats (`seconds`, one per repeat)."""
+def _timed_passes(jobs: Sequence[_Job], lists: pl.DataFrame, repeats: int) -> tuple[list[LMRerankResult], list[list[float]], list[float]]:
+    """Time every job `repeats` times over `lists`, interleaved; returns, per job, its first
+    pass's result, each pass's total seconds and its time (the sum over slices of the median
+    over the passes of the slice's time).
+
+    Jobs of batch size 1 go one example at a time: every job decodes example i, `repeats`
+    times, before any decodes example i + 1, so a burst of other load or a drift of the
+    machine's speed lands on every decoder within seconds of each other, and the median
+    per example drops a pass that a burst hit. Larger batch sizes decode the whole table per
+    pass (slicing would change their batches), pass r of every job before pass r + 1.
+    """
+    n = lists.height
+    outs: list[LMRerankResult | None] = [None] * len(jobs)
+    totals: list[list[float]] = [[0.0] * repeats for _ in jobs]
+    medians = [0.0] * len(jobs)
+    for bs in dict.fromkeys(int(job.meta["batch_size"]) for job in jobs):
+        idx = [i for i, job in enumerate(jobs) if int(job.meta["batch_size"]) == bs]
+        slices = [lists.slice(e, 1) for e in range(n)] if bs == 1 else [lists]
+        parts: dict[int, list[LMRerankResult]] = {i: [] for i in idx}
+        for piece in tqdm(slices, desc=f"bench b{bs}: {len(idx)} rows x {repeats} passes", leave=False, disable=len(slices) == 1):
+            times: dict[int, list[float]] = {i: [] for i in idx}
+            for r in range(repeats):
+                for i in idx:
+                    out = jobs[i].decode(piece, quiet=len(slices) > 1)
+                    times[i].append(out.seconds)
+                    totals[i][r] += out.seconds
+                    if r == 0:
+                        parts[i].append(out)
+            for i in idx:
+                medians[i] += float(statistics.median(times[i]))
+        for i in idx:
+            outs[i] = parts[i][0] if len(parts[i]) == 1 else LMRerankResult.concat(parts[i])
+    return [o for o in outs if o is not None], totals, medians
+
+
+def _row(job: _Job, out: LMRerankResult, seconds: Sequence[float], targets: Sequence[int], median: float) -> dict[str, Any]:
+    """A row from the job's decode (tokens, answers), its timed passes (`seconds`, one total per
+    pass) and its time (`median`, `_timed_passes`)."""
     m = rerank_metrics(out.parsed, targets)
     bs = int(job.meta["batch_size"])
     tokens = max(out.generated_tokens, 1)
-    median = float(statistics.median(seconds))
     n = len(out.parsed)
     return {
         **dict.fromkeys(SPEED_FIELDS),
@@ -236,9 +275,9 @@ def decode_benchmark(
 
     Timing: first a warm-up, every row decoding its first batch once, untimed (the first
     call of each decoder path pays for allocations and lazy set-up); then `repeats` timed
-    passes over every row, interleaved (pass r of every row before pass r + 1), so drift
-    of the machine's speed during the run hits every decoder alike. A row's `seconds` is
-    the median of its passes, `seconds_min` and `seconds_max` their spread. Greedy
+    passes over every row, interleaved (`_timed_passes`: example by example at batch size
+    1, pass by pass above), so drift of the machine's speed during the run hits every
+    decoder alike. `seconds_min` and `seconds_max` are the spread of the passes. Greedy
     decoding gives the same tokens on every pass; the answers are the first pass's.
 
     Args:
@@ -300,8 +339,10 @@ def decode_benchmark(
     plain = {(float(t), s, bool(c)) for t, s, c in plain_settings} if constrained else set()
     jobs: list[_Job] = []
 
-    def call(model: PreTrainedModel, desc: str, bs: int, **kwargs: Any) -> Callable[[pl.DataFrame], LMRerankResult]:
-        return lambda df: lm_rerank(model, tok, df, items, fmt, desc=desc, batch_size=bs, max_new_tokens=max_new_tokens, **kwargs)
+    def call(model: PreTrainedModel, desc: str, bs: int, **kwargs: Any) -> Callable[..., LMRerankResult]:
+        return lambda df, quiet=False: lm_rerank(
+            model, tok, df, items, fmt, desc=desc, batch_size=bs, max_new_tokens=max_new_tokens, quiet=quiet, **kwargs
+        )
 
     for bs in batch_sizes:
         for decoder_name, decoder in (("ar", ar_generate), ("hf", hf_generate)):
@@ -348,23 +389,16 @@ def decode_benchmark(
         for name, drafter_model in drafters.items():
             meta = {"decoder": "spec", "model": name, "tau": None, "batch_size": bs, "grammar": False}
             # A fresh drafter state per decode: the drafter's cache is per call (`speculative_kwargs`).
-            jobs.append(_Job(meta, lambda df, m=drafter_model, b=bs, n=name: lm_rerank(
+            jobs.append(_Job(meta, lambda df, quiet=False, m=drafter_model, b=bs, n=name: lm_rerank(
                 ar_model, tok, df, items, fmt, desc=f"bench spec {n} k{draft_len} b{b}", batch_size=b, max_new_tokens=max_new_tokens,
-                **speculative_kwargs(m, draft_steps, draft_len, draft_mode),
+                quiet=quiet, **speculative_kwargs(m, draft_steps, draft_len, draft_mode),
             ), spec=(draft_len, draft_steps, draft_mode)))  # fmt: skip
 
     if warmup:
         for job in jobs:
             job.decode(lists.head(int(job.meta["batch_size"])))
-    outs: list[LMRerankResult | None] = [None] * len(jobs)
-    seconds: list[list[float]] = [[] for _ in jobs]
-    for r in range(repeats):
-        for i, job in enumerate(jobs):
-            out = job.decode(lists)
-            seconds[i].append(out.seconds)
-            if r == 0:
-                outs[i] = out
-    rows = [_row(job, out, s, targets) for job, out, s in zip(jobs, outs, seconds, strict=True) if out is not None]
+    outs, seconds, medians = _timed_passes(jobs, lists, repeats)
+    rows = [_row(job, out, s, targets, m) for job, out, s, m in zip(jobs, outs, seconds, medians, strict=True)]
     relative_speeds(rows)
     ar_sequences = {
         row["batch_size"]: out.sequences for row, out in zip(rows, outs, strict=True) if row["decoder"] == "ar" and out is not None

@@ -135,6 +135,16 @@ class LMRerankResult:
         changed = [c for o in self.outputs for c in (o.constrained or [])]
         return sum(changed) / len(changed) if changed else None
 
+    @classmethod
+    def concat(cls, parts: Sequence[LMRerankResult]) -> LMRerankResult:
+        """One result for consecutive slices of a table decoded one after another (rows in slice order)."""
+        return cls(
+            parsed=[p for r in parts for p in r.parsed], texts=[t for r in parts for t in r.texts],
+            generated_tokens=sum(r.generated_tokens for r in parts), nfe=sum(r.nfe for r in parts),
+            seconds=sum(r.seconds for r in parts), sequences=[s for r in parts for s in r.sequences],
+            outputs=[o for r in parts for o in r.outputs],
+        )  # fmt: skip
+
 
 def lm_rerank(
     model,
@@ -150,6 +160,7 @@ def lm_rerank(
     state: PartialState | None = None,
     constrained: bool = False,
     response_prefix: str = "",
+    quiet: bool = False,
     **decode_kwargs,
 ) -> LMRerankResult:
     """Decode a response for every row (greedy unless decode_kwargs say otherwise) and parse it.
@@ -174,6 +185,8 @@ def lm_rerank(
         `rerank_format.no_reasoning_prefix`): appended to each prompt, and put
         before each decoded text for the parser; `sequences` hold the decoded
         tokens after it.
+    quiet: no progress bar and no summary line (a caller that decodes many small
+        slices shows its own progress).
     """
     ids = special_ids(tok)
     if constrained:
@@ -185,7 +198,7 @@ def lm_rerank(
     batches = [order[start : start + batch_size] for start in range(0, len(order), batch_size)]
     world, rank = (state.num_processes, state.process_index) if state is not None else (1, 0)
     mine: list[tuple[int, DecodeOutput]] = []
-    for b in tqdm(range(rank, len(batches), world), desc=desc, leave=False, disable=rank != 0):
+    for b in tqdm(range(rank, len(batches), world), desc=desc, leave=False, disable=rank != 0 or quiet):
         prompts_b = [prompts[i] for i in batches[b]]
         if constrained:
             decode_kwargs["grammar"] = ResponseGrammar(
@@ -211,7 +224,8 @@ def lm_rerank(
         seconds += out.seconds
     candidates = lists["candidates"].to_list()
     parsed = [parse_response(t, c, items, fmt=fmt) for t, c in zip(texts, candidates, strict=True)]
-    log.info("%s: %d rows, %d tokens in %.1f s (%.0f tok/s)", desc, len(parsed), gen, seconds, gen / max(seconds, 1e-9))
+    if not quiet:
+        log.info("%s: %d rows, %d tokens in %.1f s (%.0f tok/s)", desc, len(parsed), gen, seconds, gen / max(seconds, 1e-9))
     return LMRerankResult(parsed, texts, gen, nfe, seconds, sequences, outputs)
 
 
