@@ -208,9 +208,9 @@ def judge(
                 res = lm_rerank(model.eval(), tok, df, items, fmt, batch_size=batch_size, max_new_tokens=max_new_tokens, desc=f"seed {seed} {name} {split}")
                 results[name][split], ranks[name][split] = scored(res.parsed, df["target"].to_list())
         add_intervals(results, ranks, n_boot=2000, seed=0)
+        kept.parent.mkdir(parents=True, exist_ok=True)  # the workspace's own seed trained in the workspace: no seed folder yet
         np.savez(ranks_path(root, seed, recipe), **{f"{name}/{split}": r for name, by in ranks.items() for split, r in by.items()})
         out[seed] = {split: {name: {k: results[name][split][k] for k in KEPT} for name in MODELS} for split in splits}
-        kept.parent.mkdir(parents=True, exist_ok=True)
         write_json_atomic({str(seed): out[seed]}, kept)
         print(json.dumps({"seed": seed, **{s: {m: round(v["recall@1_vs_prerank"]["diff"], 4) for m, v in by.items()} for s, by in out[seed].items()}}), flush=True)
     return out
