@@ -321,6 +321,7 @@ def test_cross_field_rules_name_the_field(tmp_path: Path) -> None:
         load_section("sft", zero)
     rejection = with_value("traces", "traces.unlabelled_lists", 100)
     rejection["mode"] = "rejection"
+    rejection["reasoning"] = "evidence"  # the scan needs distill too; this checks the unlabelled lists' rule
     with pytest.raises(ParamsError, match=r"params\.yaml: traces\.unlabelled_lists: .*100 needs mode 'distill'"):
         load_section("traces", rejection)
     scan = with_value("traces", "traces.reasoning", "scan")
