@@ -47,9 +47,14 @@ def test_a_bad_value_of_a_late_stage_fails_before_the_first(tmp_path: Path) -> N
 
 def test_rules_inside_and_between_sections(tmp_path: Path) -> None:
     with pytest.raises(ParamsError) as err:
-        check_params(_workspace(tmp_path, **{"traces.mode": "rejection", "evaluate.sub_block_size": 12, "evaluate.bench.sub_block_cache_sizes": [2]}))
+        check_params(_workspace(tmp_path, **{
+            "traces.mode": "rejection", "traces.reasoning": "evidence", "evaluate.sub_block_size": 12,
+            "evaluate.bench.sub_block_cache_sizes": [2],
+        }))  # fmt: skip
     text = str(err.value)
     assert "traces.unlabelled_lists" in text and "needs mode 'distill'" in text
+    with pytest.raises(ParamsError, match=r"traces\.reasoning: .*'scan' needs mode 'distill'"):
+        check_params(_workspace(tmp_path, **{"traces.mode": "rejection", "traces.unlabelled_lists": 0}))
     assert "evaluate.sub_block_size: 12 does not divide cft.train.block_size 32" in text
     assert "evaluate.bench.sub_block_cache_sizes: [2] not among evaluate.bench.sub_block_sizes" in text
 
