@@ -3,7 +3,8 @@
 Decodes every re-ranking example of a split with a checkpoint (greedy, no grammar, the
 call `evaluate` makes) and reads its own step 2 back: per valid answer, whether its first
 item is the scan's last pick; per scan step, whether the evidence levels it wrote are the
-prompt's; and how often the last pick (and the answer's first item) is the teacher's
+prompt's (and the teacher agreement of lists copied right against lists with a miscopied
+step); and how often the last pick (and the answer's first item) is the teacher's
 first choice, beside the same figures for the incoming order.
 
     python experiments/scan_follow.py --root WORKSPACE checkpoints/gr2
@@ -58,6 +59,8 @@ def main() -> None:
         t0 = time.perf_counter()
         out = lm_rerank(model.eval(), tok, lists, items, fmt, batch_size=a.batch_size, desc=f"{ckpt} {a.split}")
         follows = scanned = steps_ok = levels_ok = levels_n = pick_teacher = first_teacher = 0
+        exact = [0, 0]  # lists whose every step copied the prompt's levels: [count, of them with the teacher's pick]
+        miscopied = [0, 0]
         for parsed, cs, ev, tf in zip(out.parsed, cands, evidence, teacher_first, strict=True):
             first_teacher += parsed.ranking[0] == tf
             steps = scan_steps(parsed.explanation or "")
@@ -68,11 +71,16 @@ def main() -> None:
             follows += 1 <= last <= len(cs) and parsed.ranking[0] == cs[last - 1]
             pick_teacher += 1 <= last <= len(cs) and cs[last - 1] == tf
             steps_ok += [s[0] for s in steps] == list(range(1, len(cs) + 1))
+            right = 0
             for pos, written, _, _ in steps:
                 if 1 <= pos <= len(cs):
                     want = [f"<ev{f + 1}_{lvl}>" for f, lvl in enumerate(ev[pos - 1])]
-                    levels_ok += written == want
+                    right += written == want
                     levels_n += 1
+            levels_ok += right
+            bucket = exact if right == len(steps) else miscopied
+            bucket[0] += 1
+            bucket[1] += 1 <= last <= len(cs) and cs[last - 1] == tf
         n = len(out.parsed)
         print(json.dumps({
             "checkpoint": ckpt, "split": a.split, "n": n,
@@ -81,6 +89,9 @@ def main() -> None:
             "scan_visits_every_candidate_in_order": steps_ok / max(scanned, 1),
             "levels_copied_right": levels_ok / max(levels_n, 1),
             "last_pick_is_teachers_first": pick_teacher / max(scanned, 1),
+            "every_step_copied_right": exact[0] / max(scanned, 1),
+            "last_pick_is_teachers_first_if_every_step_copied_right": exact[1] / max(exact[0], 1),
+            "last_pick_is_teachers_first_if_a_step_miscopied": miscopied[1] / max(miscopied[0], 1),
             "first_is_teachers_first": first_teacher / n,
             "incoming_first_is_teachers_first": sum(c[0] == t for c, t in zip(cands, teacher_first, strict=True)) / n,
             "seconds": round(time.perf_counter() - t0, 1),
