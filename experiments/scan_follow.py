@@ -69,7 +69,8 @@ def main() -> None:
             scanned += 1
             last = steps[-1][2]
             follows += 1 <= last <= len(cs) and parsed.ranking[0] == cs[last - 1]
-            pick_teacher += 1 <= last <= len(cs) and cs[last - 1] == tf
+            picks_teachers = 1 <= last <= len(cs) and cs[last - 1] == tf
+            pick_teacher += picks_teachers
             steps_ok += [s[0] for s in steps] == list(range(1, len(cs) + 1))
             right = 0
             for pos, written, _, _ in steps:
@@ -80,7 +81,7 @@ def main() -> None:
             levels_ok += right
             bucket = exact if right == len(steps) else miscopied
             bucket[0] += 1
-            bucket[1] += 1 <= last <= len(cs) and cs[last - 1] == tf
+            bucket[1] += picks_teachers
         n = len(out.parsed)
         print(json.dumps({
             "checkpoint": ckpt, "split": a.split, "n": n,

@@ -164,13 +164,12 @@ def _timed_passes(jobs: Sequence[_Job], lists: pl.DataFrame, repeats: int) -> tu
     pass (slicing would change their batches), pass r of every job before pass r + 1.
     """
     n = lists.height
-    outs: list[LMRerankResult | None] = [None] * len(jobs)
+    parts: list[list[LMRerankResult]] = [[] for _ in jobs]  # each job's first-pass result of every slice, in order
     totals: list[list[float]] = [[0.0] * repeats for _ in jobs]
     medians = [0.0] * len(jobs)
     for bs in dict.fromkeys(int(job.meta["batch_size"]) for job in jobs):
         idx = [i for i, job in enumerate(jobs) if int(job.meta["batch_size"]) == bs]
         slices = [lists.slice(e, 1) for e in range(n)] if bs == 1 else [lists]
-        parts: dict[int, list[LMRerankResult]] = {i: [] for i in idx}
         for piece in tqdm(slices, desc=f"bench b{bs}: {len(idx)} rows x {repeats} passes", leave=False, disable=len(slices) == 1):
             times: dict[int, list[float]] = {i: [] for i in idx}
             for r in range(repeats):
@@ -182,9 +181,8 @@ def _timed_passes(jobs: Sequence[_Job], lists: pl.DataFrame, repeats: int) -> tu
                         parts[i].append(out)
             for i in idx:
                 medians[i] += float(statistics.median(times[i]))
-        for i in idx:
-            outs[i] = parts[i][0] if len(parts[i]) == 1 else LMRerankResult.concat(parts[i])
-    return [o for o in outs if o is not None], totals, medians
+    outs = [p[0] if len(p) == 1 else LMRerankResult.concat(p) for p in parts]
+    return outs, totals, medians
 
 
 def _row(job: _Job, out: LMRerankResult, seconds: Sequence[float], targets: Sequence[int], median: float) -> dict[str, Any]:
@@ -401,10 +399,9 @@ def decode_benchmark(
     rows = [_row(job, out, s, targets, m) for job, out, s, m in zip(jobs, outs, seconds, medians, strict=True)]
     relative_speeds(rows)
     ar_sequences = {
-        row["batch_size"]: out.sequences for row, out in zip(rows, outs, strict=True) if row["decoder"] == "ar" and out is not None
+        row["batch_size"]: out.sequences for row, out in zip(rows, outs, strict=True) if row["decoder"] == "ar"
     }  # our AR loop's tokens at each batch size: what the speculative rows must reproduce
     for job, row, out in zip(jobs, rows, outs, strict=True):
-        assert out is not None
         del row["_nfe"]
         if job.spec is not None:
             row.update(
