@@ -122,6 +122,18 @@ def user_folds_from_lists(split: pl.DataFrame, train_lists: pl.DataFrame) -> np.
     return aligned["fold"].fill_null(-1).to_numpy()
 
 
+def teacher_ltr_config(cfg: TracesConfig) -> LTRConfig:
+    """The LTR teacher's config: with `ltr.features: prompt` the teacher reads what the prompt
+    shows, and the prompt shows the evidence too (at full precision, not in the prompt's levels).
+
+    A teacher that reads nothing the student cannot see gives the student picks that are a
+    function of its prompt, at the cost of the hidden features' gain (`prompt_evidence_ceiling`
+    in the stage metrics is that teacher's accuracy under any `features`)."""
+    if cfg.ltr.features != "prompt":
+        return cfg.ltr
+    return replace(cfg.ltr, prompt_evidence=tuple(cfg.evidence))
+
+
 def run(cfg: TracesConfig, root: Path, log: logging.Logger, tracker: StageTracker) -> dict[str, Any]:
     """Fit the teacher, write the traces and the format; returns the stage metrics."""
     timings: dict[str, float] = {}
@@ -148,7 +160,7 @@ def run(cfg: TracesConfig, root: Path, log: logging.Logger, tracker: StageTracke
         teacher: ExpertTeacher | LTRTeacher
         if cfg.teacher == "ltr":
             # Fits the expert's linear weights too (explanations use them); early stopping on validation.
-            teacher = LTRTeacher(expert, cfg.ltr)
+            teacher = LTRTeacher(expert, teacher_ltr_config(cfg))
             ltr_info = teacher.fit(train, valid)
         else:
             teacher = expert
@@ -214,7 +226,7 @@ def run(cfg: TracesConfig, root: Path, log: logging.Logger, tracker: StageTracke
         if isinstance(teacher, LTRTeacher):
             (out / "teacher_ltr.txt").write_text(teacher.model_text())
             teacher_info["ltr"] = {
-                "config": asdict(cfg.ltr),
+                "config": asdict(teacher.cfg),
                 "feature_names": list(teacher.feature_names),
                 "model": "teacher_ltr.txt",
                 # Timings go to the metrics: the data folder must rebuild bit for bit.

@@ -87,6 +87,22 @@ def test_prompt_features_are_the_prompt_visible_columns(world) -> None:
     assert teacher_accuracy(told, world["valid"])["recall@1"] > ceiling + 0.1
 
 
+def test_a_prompt_teacher_reads_the_evidence_its_prompt_shows(world) -> None:
+    """traces.ltr.features: prompt teaches from what the student sees, and the student sees
+    traces.evidence: the teacher's features are the prompt's columns plus that evidence,
+    while the other feature sets are left as configured."""
+    from tasks.traces import TracesConfig, teacher_ltr_config
+
+    evidence = ["prerank_score", "co_after_all"]
+    prompt = TracesConfig(ltr={"features": "prompt"}, evidence=evidence)
+    cfg = teacher_ltr_config(prompt)
+    assert cfg.prompt_evidence == tuple(evidence)
+    assert LTRTeacher(world["teacher"].expert, cfg).feature_names == (*PROMPT_FEATURE_NAMES, *evidence)
+    assert teacher_ltr_config(TracesConfig(ltr={"features": "prompt"})).prompt_evidence == ()
+    everything = TracesConfig(evidence=evidence)
+    assert teacher_ltr_config(everything) == everything.ltr and everything.ltr.prompt_evidence == ()
+
+
 def test_fit_is_deterministic(world) -> None:
     expert = ExpertTeacher.from_split(world["items"], world["split"], N_ITEMS, n_folds=N_FOLDS, fold_seed=0)
     again = LTRTeacher(expert, FAST)
