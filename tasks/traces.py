@@ -30,7 +30,7 @@ from pydantic import Field, field_validator, model_validator
 
 from gr2model.bounds import FieldRangeError
 from gr2model.data.candidates import rerank_metrics, write_parquet_atomic
-from gr2model.data.dataset import load_prepared
+from gr2model.data.dataset import Dataset, load_prepared
 from gr2model.teachers.ltr_teacher import LTR_FEATURE_NAMES, LTRConfig, LTRTeacher, evidence_values
 from gr2model.task.rerank_format import MAX_EVIDENCE, FormatConfig, ItemText, evidence_levels, fit_evidence_bins
 from gr2model.teachers.teacher import ExpertTeacher, ReasoningStyle, TeacherConfig, TraceMode, generate_traces, teacher_accuracy
@@ -134,6 +134,22 @@ def teacher_ltr_config(cfg: TracesConfig) -> LTRConfig:
     return replace(cfg.ltr, prompt_evidence=tuple(cfg.evidence))
 
 
+def fit_teacher(
+    cfg: TracesConfig, ds: Dataset, split: pl.DataFrame, train: pl.DataFrame, valid: pl.DataFrame
+) -> tuple[ExpertTeacher | LTRTeacher, ExpertTeacher, dict[str, Any] | None]:
+    """(the teacher, the expert whose sentences explain, the LTR fit's info or None), fitted on
+    the cross-fitted training lists (the LTR teacher early-stopped on `valid`)."""
+    expert = ExpertTeacher(
+        ds.items, split["train"].to_list(), ds.num_items, target_tokens=cfg.target_tokens, folds=user_folds_from_lists(split, train)
+    )
+    if cfg.teacher != "ltr":
+        expert.fit_weights(train)
+        return expert, expert, None
+    # Fits the expert's linear weights too (explanations use them); early stopping on validation.
+    teacher = LTRTeacher(expert, teacher_ltr_config(cfg))
+    return teacher, expert, teacher.fit(train, valid)
+
+
 def run(cfg: TracesConfig, root: Path, log: logging.Logger, tracker: StageTracker) -> dict[str, Any]:
     """Fit the teacher, write the traces and the format; returns the stage metrics."""
     timings: dict[str, float] = {}
@@ -149,22 +165,7 @@ def run(cfg: TracesConfig, root: Path, log: logging.Logger, tracker: StageTracke
 
     test = pl.read_parquet(root / CANDIDATES / "test.parquet")  # report only: never used for fitting
     with timed(log, f"build the {cfg.teacher} teacher and fit it on the training lists", timings, "fit_s"):
-        expert = ExpertTeacher(
-            ds.items,
-            split["train"].to_list(),
-            ds.num_items,
-            target_tokens=cfg.target_tokens,
-            folds=user_folds_from_lists(split, train),
-        )
-        ltr_info: dict[str, Any] | None = None
-        teacher: ExpertTeacher | LTRTeacher
-        if cfg.teacher == "ltr":
-            # Fits the expert's linear weights too (explanations use them); early stopping on validation.
-            teacher = LTRTeacher(expert, teacher_ltr_config(cfg))
-            ltr_info = teacher.fit(train, valid)
-        else:
-            teacher = expert
-            expert.fit_weights(train)
+        teacher, expert, ltr_info = fit_teacher(cfg, ds, split, train, valid)
         weights = expert.weights
     log.info("linear teacher weights: %s", {k: round(v, 3) for k, v in weights.items()})
     with timed(log, "teacher accuracy on validation and test (no target knowledge)", timings, "accuracy_s"):

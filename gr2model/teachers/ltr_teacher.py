@@ -179,6 +179,7 @@ class LTRConfig:
         check(self, "max_history", ge=1)
         if unknown := [n for n in self.prompt_evidence if n not in LTR_FEATURE_NAMES]:
             raise ValueError(f"prompt_evidence: unknown features {unknown}")
+        object.__setattr__(self, "prompt_evidence", tuple(self.prompt_evidence))  # a list when read back from teacher.json
 
 
 @dataclass(frozen=True)
