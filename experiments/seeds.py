@@ -31,7 +31,9 @@ R@1 and NDCG@3 against the incoming order.
 
 reports/seeds.json: `{"seeds": {S: {split: {model: {recall@1, ndcg@3,
 recall@1_vs_prerank, ndcg@3_vs_prerank, valid_permutation_rate, ...}}}},
-"spread": {split: {model: {metric: {min, max, range, mean}}}}, "commands": ...}`.
+"spread": {split: {model: {metric: {min, max, range, mean}}}}, "pooled": {split: {model |
+"gr2_vs_gr2-sft": {metric: {diff, ci95}}}}, "commands": ...}`. "pooled" is the recipe's gain
+with each example's gain averaged over the seeds first (paired bootstrap over examples).
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ import yaml
 from gr2model.models.checkpoint import load_hf_checkpoint
 from gr2model.data.dataset import load_prepared
 from gr2model.eval.rerank_eval import fixed_rankings, lm_rerank, rerank_examples
+from gr2model.task.metrics import bootstrap_ci, per_example_gain
 from gr2model.task.rerank_format import ItemText
 from tasks.common import write_json_atomic
 from tasks.evaluate import add_intervals, paired_difference, scored
@@ -251,6 +254,35 @@ def spread(per_seed: dict[int, dict[str, dict[str, dict[str, Any]]]]) -> dict[st
     return out
 
 
+def pooled(root: Path, seeds: list[int], splits: list[str], recipe: str | None = None, n_boot: int = 2000) -> dict[str, dict[str, dict[str, Any]]]:
+    """{split: {model or "gr2_vs_gr2-sft": {metric: {"diff", "ci95"}}}}: the recipe's gain averaged over its seeds.
+
+    Each example's gain is averaged over the seeds first (its ranks kept in `ranks_path`), then
+    compared with the incoming order's (and GR2's with gr2-sft's) by the paired bootstrap over
+    examples. The interval is over examples for these seeds: it narrows with more seeds as
+    their own noise averages out, but it does not cover seeds not drawn."""
+    kept = [np.load(ranks_path(root, s, recipe)) for s in seeds]
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    for split in splits:
+        base = {m: per_example_gain(kept[0][f"prerank/{split}"], m) for m in ("recall@1", "ndcg@3")}
+        mean = {
+            (model, m): np.mean([per_example_gain(k[f"{model}/{split}"], m) for k in kept], axis=0)
+            for model in MODELS for m in ("recall@1", "ndcg@3")
+        }
+        out[split] = {model: {} for model in (*MODELS, "gr2_vs_gr2-sft")}
+        for (model, m), gain in mean.items():
+            out[split][model][m] = interval(gain, base[m], n_boot)
+        for m in ("recall@1", "ndcg@3"):
+            out[split]["gr2_vs_gr2-sft"][m] = interval(mean[("gr2", m)], mean[("gr2-sft", m)], n_boot)
+    return out
+
+
+def interval(gain: np.ndarray, baseline: np.ndarray, n_boot: int) -> dict[str, Any]:
+    """{"diff": mean(gain - baseline), "ci95": [lo, hi]}, the paired bootstrap over examples (seed 0)."""
+    lo, hi = bootstrap_ci(gain, baseline=baseline, n_boot=n_boot, seed=0)
+    return {"diff": float(gain.mean() - baseline.mean()), "ci95": [lo, hi]}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--root", type=Path, required=True, help="a workspace that ran `midtrain` (its data and checkpoints/gr2-base)")
@@ -284,6 +316,7 @@ def main() -> None:
         "paired_with_base": paired,
         "seeds": {str(s): v for s, v in per_seed.items()},
         "spread": spread(per_seed),
+        "pooled": pooled(root, list(per_seed), a.splits.split(","), a.recipe),
         "folders": {str(s): str(f) for s, f in folders.items()},
         "command": " ".join(["python", "experiments/seeds.py", *sys.argv[1:]]),
     }
@@ -294,6 +327,10 @@ def main() -> None:
         for model, m in by_model.items():
             r = m["recall@1_vs_prerank"]
             print(f"{split} {model}: R@1 - prerank mean {r['mean']:+.4f}, min {r['min']:+.4f}, max {r['max']:+.4f}, range {m['recall@1']['range']:.4f}")
+    for split, by_model in report["pooled"].items():
+        for model, by_metric in by_model.items():
+            d = by_metric["recall@1"]
+            print(f"{split} {model}: R@1 averaged over the seeds {d['diff']:+.4f} [{d['ci95'][0]:+.4f}, {d['ci95'][1]:+.4f}]" + ("" if "_vs_" in model else " over the incoming order"))
     for seed in paired:
         for split, by_model in per_seed[seed].items():
             for model, fig in by_model.items():

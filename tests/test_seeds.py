@@ -10,6 +10,7 @@ from experiments.seeds import (
     SEED_KEYS,
     against_base,
     parse_overrides,
+    pooled,
     ranks_path,
     seed_dir,
     seed_of_params,
@@ -76,3 +77,19 @@ def test_a_recipe_seed_is_paired_against_the_same_base_seed(tmp_path) -> None:
     assert per_seed[0]["test"]["gr2"]["ndcg@3_vs_base"]["diff"] > 0
     assert per_seed[1]["test"]["gr2"] == {}
     assert seed_dir(tmp_path, 2, "soft") == tmp_path / "recipes" / "soft" / "seed2"
+
+
+def test_pooled_averages_each_example_over_the_seeds_before_comparing(tmp_path) -> None:
+    # 0-based target ranks on 4 examples. Seed 0's gr2 puts example 1's target first, seed 1's
+    # does not: averaged over the seeds, example 1 gains half a hit; gr2-sft equals the incoming order.
+    prerank = np.array([0, 1, 1, 2])
+    ranks = {0: np.array([0, 0, 1, 2]), 1: np.array([0, 1, 1, 2])}
+    for seed, gr2 in ranks.items():
+        seed_dir(tmp_path, seed, None).mkdir(parents=True)
+        np.savez(ranks_path(tmp_path, seed), **{"prerank/test": prerank, "gr2-sft/test": prerank, "gr2/test": gr2})
+    out = pooled(tmp_path, [0, 1], ["test"], n_boot=200)["test"]
+    assert out["gr2"]["recall@1"]["diff"] == pytest.approx(0.5 / 4)
+    assert out["gr2-sft"]["recall@1"] == {"diff": 0.0, "ci95": [0.0, 0.0]}
+    assert out["gr2_vs_gr2-sft"]["recall@1"]["diff"] == pytest.approx(0.5 / 4)
+    lo, hi = out["gr2"]["ndcg@3"]["ci95"]
+    assert 0 <= lo <= out["gr2"]["ndcg@3"]["diff"] <= hi
