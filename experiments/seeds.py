@@ -55,10 +55,10 @@ import yaml
 from gr2model.models.checkpoint import load_hf_checkpoint
 from gr2model.data.dataset import load_prepared
 from gr2model.eval.rerank_eval import fixed_rankings, lm_rerank, rerank_examples
-from gr2model.task.metrics import bootstrap_ci, per_example_gain
+from gr2model.task.metrics import per_example_gain
 from gr2model.task.rerank_format import ItemText
 from tasks.common import write_json_atomic
-from tasks.evaluate import add_intervals, paired_difference, scored
+from tasks.evaluate import CI_METRICS, add_intervals, paired_difference, paired_gain_difference, scored
 from tasks.traces import load_format, load_lists
 
 MODELS = {"gr2-sft": Path("checkpoints/gr2-sft"), "gr2": Path("checkpoints/gr2")}
@@ -264,23 +264,17 @@ def pooled(root: Path, seeds: list[int], splits: list[str], recipe: str | None =
     kept = [np.load(ranks_path(root, s, recipe)) for s in seeds]
     out: dict[str, dict[str, dict[str, Any]]] = {}
     for split in splits:
-        base = {m: per_example_gain(kept[0][f"prerank/{split}"], m) for m in ("recall@1", "ndcg@3")}
+        base = {m: per_example_gain(kept[0][f"prerank/{split}"], m) for m in CI_METRICS}
         mean = {
             (model, m): np.mean([per_example_gain(k[f"{model}/{split}"], m) for k in kept], axis=0)
-            for model in MODELS for m in ("recall@1", "ndcg@3")
+            for model in MODELS for m in CI_METRICS
         }
         out[split] = {model: {} for model in (*MODELS, "gr2_vs_gr2-sft")}
         for (model, m), gain in mean.items():
-            out[split][model][m] = interval(gain, base[m], n_boot)
-        for m in ("recall@1", "ndcg@3"):
-            out[split]["gr2_vs_gr2-sft"][m] = interval(mean[("gr2", m)], mean[("gr2-sft", m)], n_boot)
+            out[split][model][m] = paired_gain_difference(gain, base[m], n_boot=n_boot, seed=0)
+        for m in CI_METRICS:
+            out[split]["gr2_vs_gr2-sft"][m] = paired_gain_difference(mean[("gr2", m)], mean[("gr2-sft", m)], n_boot=n_boot, seed=0)
     return out
-
-
-def interval(gain: np.ndarray, baseline: np.ndarray, n_boot: int) -> dict[str, Any]:
-    """{"diff": mean(gain - baseline), "ci95": [lo, hi]}, the paired bootstrap over examples (seed 0)."""
-    lo, hi = bootstrap_ci(gain, baseline=baseline, n_boot=n_boot, seed=0)
-    return {"diff": float(gain.mean() - baseline.mean()), "ci95": [lo, hi]}
 
 
 def main() -> None:

@@ -26,7 +26,7 @@ import yaml
 
 from gr2model.data.dataset import load_prepared
 from gr2model.eval.rerank_eval import fixed_rankings, rerank_examples
-from tasks.evaluate import load_teacher, paired_difference, scored, teacher_rankings
+from tasks.evaluate import CI_METRICS, load_teacher, paired_difference, scored, teacher_rankings
 from tasks.traces import TracesConfig, fit_teacher, load_lists
 
 
@@ -57,9 +57,9 @@ def main() -> None:
         print(json.dumps({
             "split": name,
             "n": n,
-            "teacher": {m: m_ours[m] for m in ("recall@1", "ndcg@3")},
-            "prompt_teacher": {m: m_theirs[m] for m in ("recall@1", "ndcg@3")},
-            "prompt_minus_teacher": {m: paired_difference(r_theirs, r_ours, m, n_boot=2000, seed=0) for m in ("recall@1", "ndcg@3")},
+            "teacher": {m: m_ours[m] for m in CI_METRICS},
+            "prompt_teacher": {m: m_theirs[m] for m in CI_METRICS},
+            "prompt_minus_teacher": {m: paired_difference(r_theirs, r_ours, m, n_boot=2000, seed=0) for m in CI_METRICS},
             "first_pick_agreement": sum(x[0] == y[0] for x, y in zip(ours, theirs, strict=True)) / n,
             "teacher_moves_first": sum(x[0] != c[0] for x, c in zip(ours, incoming, strict=True)) / n,
             "prompt_teacher_moves_first": sum(y[0] != c[0] for y, c in zip(theirs, incoming, strict=True)) / n,

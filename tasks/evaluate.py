@@ -225,7 +225,13 @@ def paired_difference(ranks: np.ndarray, ref_ranks: np.ndarray, metric: str, *, 
     ranks, ref_ranks: (n,) per-example target ranks of two models on the same
     examples in the same order (`scored`).
     """
-    gain, base = per_example_gain(ranks, metric), per_example_gain(ref_ranks, metric)
+    return paired_gain_difference(per_example_gain(ranks, metric), per_example_gain(ref_ranks, metric), n_boot=n_boot, seed=seed)
+
+
+def paired_gain_difference(gain: np.ndarray, base: np.ndarray, *, n_boot: int, seed: int) -> dict[str, Any]:
+    """{"diff": mean(gain) - mean(base), "ci95": [lo, hi]}, the paired bootstrap over examples.
+
+    gain, base: (n,) per-example gains (`per_example_gain`) of two rankers on the same examples."""
     lo, hi = bootstrap_ci(gain, baseline=base, n_boot=n_boot, seed=seed)
     return {"diff": float(gain.mean() - base.mean()), "ci95": [lo, hi]}
 

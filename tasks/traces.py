@@ -182,10 +182,14 @@ def run(cfg: TracesConfig, root: Path, log: logging.Logger, tracker: StageTracke
         ceilings = {"prompt_ceiling": ()} | ({"prompt_evidence_ceiling": tuple(cfg.evidence)} if cfg.evidence else {})
         for key, names in ceilings.items():
             with timed(log, f"{key}: the LTR ranker on the prompt-visible features{' + evidence' if names else ''}", timings, f"{key}_s"):
-                ceiling = LTRTeacher(expert, replace(cfg.ltr, features="prompt", prompt_evidence=names))
-                ceiling.fit(train, valid, fit_linear=False)
-                accuracy[key] = teacher_accuracy(ceiling, valid)
-                test_accuracy[key] = teacher_accuracy(ceiling, test)
+                ceiling_cfg = replace(cfg.ltr, features="prompt", prompt_evidence=names)
+                if isinstance(teacher, LTRTeacher) and teacher.cfg == ceiling_cfg:  # ltr.features: prompt, the teacher is this ranker
+                    accuracy[key], test_accuracy[key] = accuracy["teacher"], test_accuracy["teacher"]
+                else:
+                    ceiling = LTRTeacher(expert, ceiling_cfg)
+                    ceiling.fit(train, valid, fit_linear=False)
+                    accuracy[key] = teacher_accuracy(ceiling, valid)
+                    test_accuracy[key] = teacher_accuracy(ceiling, test)
             log.info(
                 "R@1 %s vs pre-rank: valid %.4f vs %.4f, test %.4f vs %.4f", key,
                 accuracy[key]["recall@1"], accuracy["prerank"]["recall@1"],
