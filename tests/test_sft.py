@@ -113,6 +113,30 @@ def test_prompt_tokens_never_contribute(tok, items) -> None:
     assert not torch.allclose(weighted_lm_loss(noisy, labels, weights), base)
 
 
+def test_loss_sums_from_the_kept_logits_equal_the_full_logits_loss(tok, items) -> None:
+    """sft_loss_sums computes logits only where a token is predicted; its loss, its stats and
+    its gradients must be those of the loss over the whole (B, T, V) logits."""
+    examples = toy_examples(items)[:3]
+    cfg = SFTConfig(answer_weight=3.0)
+    enc = [encode_example(tok, p, r, cfg) for p, r in examples]
+    enc[1] = {k: v[:-2] for k, v in enc[1].items()}  # rows of different lengths: right padding
+    batch = collate_right_padded(enc, pad_id=tok.pad_token_id)
+    model = toy_model(tok)
+
+    weighted, stats, n_tokens = sft_loss_sums(model, batch)
+    weighted.backward()
+    kept = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    full = weighted_lm_loss(logits, batch["labels"], batch["weights"])
+    (full * stats[0]).backward()
+
+    assert float(weighted.detach() / stats[0]) == pytest.approx(float(full), rel=1e-5)
+    assert int(n_tokens) == int(batch["attention_mask"].sum())
+    for a, p in zip(kept, model.parameters()):
+        assert torch.allclose(a, p.grad, rtol=1e-4, atol=1e-6)
+
+
 def test_weights_land_on_the_right_tokens(tok, items) -> None:
     fc = FormatConfig(history_len=2, with_attributes=True)
     prompt = build_prompt([4, 1], [2, 3, 1], items, fc)
@@ -205,7 +229,8 @@ def test_soft_decision_loss_adds_the_weighted_cross_entropy(tok, items) -> None:
         torch.set_grad_enabled(True)
     logp = torch.log_softmax(logits[0, with_target["decision"] - 1].float(), -1)
     manual = -sum(p * logp[i] for p, i in zip(with_target["decision_probs"], with_target["decision_ids"]))
-    ce = decision_cross_entropy(logits, batch["decision"], batch["decision_ids"], batch["decision_probs"])
+    at = with_target["decision"] - 1
+    ce = decision_cross_entropy(logits[:1, at], batch["decision_ids"][:1], batch["decision_probs"][:1])
     assert ce.shape == (1,) and float(ce[0]) == pytest.approx(float(manual), rel=1e-5)
     assert float(w) == pytest.approx(float(base_w) + 2.0 * float(manual), rel=1e-5)
     assert float(stats[0]) == pytest.approx(float(base_stats[0]) + 2.0)

@@ -98,7 +98,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from gr2model.bounds import FieldRangeError, check
 from gr2model.training.kl import token_kl
 from gr2model.training.resume import Checkpointer
-from gr2model.training.sft import IGNORE_INDEX, SFTConfig, loss_stats, encode_example, run_train_loop
+from gr2model.training.sft import IGNORE_INDEX, SFTConfig, encode_example, loss_stats, run_train_loop, target_nll
 
 __all__ = [
     "KIND_ANSWER",
@@ -506,18 +506,6 @@ def build_cft_batch(
 # ------------------------------------------------------------------------ loss
 
 
-def _target_nll(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-target NLL (no shift: logits[..., c, :] predict targets[..., c]).
-
-    Args: logits (..., V); targets (...) long, IGNORE_INDEX where nothing is predicted.
-    Returns: nll (...) float32 (0 where ignored) and valid (...) bool.
-    """
-    nll = F.cross_entropy(
-        logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="none"
-    ).view(targets.shape)
-    return nll, targets != IGNORE_INDEX
-
-
 def block_diffusion_loss(logits: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """The CFT loss sum(w * nll) / sum(w) over the masked response tokens.
 
@@ -533,7 +521,7 @@ def block_diffusion_loss(logits: torch.Tensor, targets: torch.Tensor, weights: t
     Returns:
         scalar float32; 0 (with a zero gradient) when no target has weight.
     """
-    nll, valid = _target_nll(logits, targets)
+    nll, valid = target_nll(logits, targets)
     w = weights.float() * valid
     return (w * nll).sum() / w.sum().clamp(min=torch.finfo(torch.float32).tiny)
 
@@ -561,7 +549,7 @@ def _loss_sums(
         use_cache=False,
         logits_to_keep=keep,
     )
-    nll, _ = _target_nll(out.logits, batch["targets"][keep])  # (K,)
+    nll, _ = target_nll(out.logits, batch["targets"][keep])  # (K,)
     w = batch["weights"][keep].float()
     kind = batch["kind"][keep]
     per_token = nll

@@ -66,6 +66,7 @@ __all__ = [
     "sft_loss_sums",
     "explanation_span",
     "decision_cross_entropy",
+    "target_nll",
 ]
 
 log = logging.getLogger(__name__)
@@ -296,6 +297,18 @@ def collate_right_padded(examples: Sequence[dict[str, list]], pad_id: int) -> di
 # ------------------------------------------------------------------------- loss
 
 
+def target_nll(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-target NLL (no shift: logits[..., c, :] predict targets[..., c]).
+
+    Args: logits (..., V); targets (...) long, IGNORE_INDEX where nothing is predicted.
+    Returns: nll (...) float32 (0 where ignored) and valid (...) bool.
+    """
+    nll = F.cross_entropy(
+        logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="none"
+    ).view(targets.shape)
+    return nll, targets != IGNORE_INDEX
+
+
 def _shifted_nll(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token NLL with the causal shift: position i-1 predicts token i.
 
@@ -305,15 +318,7 @@ def _shifted_nll(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tens
         nll (B, T-1) float32 (0 where the label is ignored) and valid (B, T-1) bool,
         both aligned with labels[:, 1:].
     """
-    shift_logits = logits[:, :-1].float()
-    shift_labels = labels[:, 1:]
-    nll = F.cross_entropy(
-        shift_logits.reshape(-1, shift_logits.shape[-1]),
-        shift_labels.reshape(-1),
-        ignore_index=IGNORE_INDEX,
-        reduction="none",
-    ).view(shift_labels.shape)
-    return nll, shift_labels != IGNORE_INDEX
+    return target_nll(logits[:, :-1], labels[:, 1:])
 
 
 def weighted_lm_loss(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -362,14 +367,32 @@ def sft_loss_sums(
     `decision_weight` and soft targets in the batch (`collate_right_padded`), each
     row's soft-target cross-entropy (`decision_cross_entropy`) adds to the sum
     with that weight, and the weight to sum w.
+
+    Logits are computed only at the K positions that predict a labelled token
+    (`logits_to_keep` with a boolean (B, T) mask, flattened row by row to (K, V)):
+    a re-ranking trace is mostly prompt, and the (B, T, V) logits over a vocabulary
+    of every item would spend most of a step on positions nothing is learnt from.
     """
-    out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
-    nll, valid = _shifted_nll(out.logits, batch["labels"])
+    labels = batch["labels"]
+    valid = labels[:, 1:] != IGNORE_INDEX  # (B, T-1): position i predicts token i + 1
+    keep = F.pad(valid, (0, 1), value=False)  # (B, T)
+    out = model(
+        input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False, logits_to_keep=keep
+    )
+    flat, _ = target_nll(out.logits, labels[:, 1:][valid])  # (K,)
+    nll = flat.new_zeros(valid.shape).masked_scatter(valid, flat)  # (B, T-1)
     w = batch["weights"][:, 1:].float() * valid
     weighted = (w * nll).sum()
     extra_w = torch.zeros((), device=weighted.device)
     if decision_weight > 0 and "decision" in batch:
-        ce = decision_cross_entropy(out.logits, batch["decision"], batch["decision_ids"], batch["decision_probs"])
+        rows = (batch["decision"] >= 1).nonzero().squeeze(-1)
+        at = batch["decision"][rows] - 1  # the position that predicts each row's decision token
+        if not bool(keep[rows, at].all()):
+            raise ValueError("a soft decision target sits on a token that is not labelled")
+        flat_index = keep.flatten().cumsum(0).view_as(keep) - 1  # (B, T): row of out.logits
+        ce = decision_cross_entropy(
+            out.logits[flat_index[rows, at]], batch["decision_ids"][rows], batch["decision_probs"][rows]
+        )
         weighted = weighted + decision_weight * ce.sum()
         extra_w = extra_w + decision_weight * ce.numel()
     with torch.no_grad():
@@ -380,19 +403,18 @@ def sft_loss_sums(
 
 
 def decision_cross_entropy(
-    logits: torch.Tensor, decision: torch.Tensor, decision_ids: torch.Tensor, decision_probs: torch.Tensor
+    logits: torch.Tensor, decision_ids: torch.Tensor, decision_probs: torch.Tensor
 ) -> torch.Tensor:
-    """(R,) float32: for each of the R rows with a soft target, -sum_k p_k log q(<pos_k>), where q is the
-    model's next-token distribution (over the whole vocabulary) at the position that predicts the
-    decision token and p the teacher's probabilities.
+    """(R,) float32: for each of R soft targets, -sum_k p_k log q(<pos_k>), where q is the model's
+    next-token distribution (over the whole vocabulary) at the position that predicts the decision
+    token and p the teacher's probabilities.
 
     Args:
-        logits: (B, T, V); decision: (B,) long, the decision token's index (-1: no soft target);
-        decision_ids: (B, K) long; decision_probs: (B, K) float (0 on padding).
+        logits: (R, V), the logits at those R positions; decision_ids: (R, K) long;
+        decision_probs: (R, K) float (0 on padding).
     """
-    rows = (decision >= 1).nonzero().squeeze(-1)
-    logp = F.log_softmax(logits[rows, decision[rows] - 1].float(), dim=-1)  # (R, V)
-    return -(decision_probs[rows] * logp.gather(-1, decision_ids[rows])).sum(-1)
+    logp = F.log_softmax(logits.float(), dim=-1)  # (R, V)
+    return -(decision_probs * logp.gather(-1, decision_ids)).sum(-1)
 
 
 def loss_stats(
