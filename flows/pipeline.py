@@ -161,6 +161,10 @@ def run_stage(stage: str, root: str, parent_run_id: str, force: bool = False) ->
     metrics = _read_metrics(rootp, stage)
     # The report's figures of this stage on its own run (after the stage, by the flow: see log_stage_figures).
     figures = log_stage_figures(stage, metrics, client, run_id, rootp, logger)
+    # A stage process ends the run it was handed; under GR2_TRACKING=off it never opens it, and
+    # the run would show RUNNING until the next `gr2 run` marks it KILLED.
+    if client.get_run(run_id).info.status == "RUNNING":
+        client.set_terminated(run_id, "FINISHED")
     summary = {"stage": stage, "status": "ran", "seconds": seconds, "run_id": run_id, "metrics": metrics, "figures": figures}
     _stage_artifact(rootp, summary)
     return summary
