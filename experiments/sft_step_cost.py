@@ -21,6 +21,7 @@ import copy
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import polars as pl
@@ -30,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gr2model.models.checkpoint import load_hf_checkpoint  # noqa: E402
 from gr2model.training.sft import (  # noqa: E402
+    IGNORE_INDEX,
     LengthGroupedBatches,
     SFTConfig,
     collate_right_padded,
@@ -43,7 +45,7 @@ from tasks.common import read_params  # noqa: E402
 def full_logits_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """sum(w * nll) from the (B, T, V) logits of every position: the reference."""
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
-    w = (batch["weights"][:, 1:].float() * (batch["labels"][:, 1:] != -100)).sum()
+    w = (batch["weights"][:, 1:].float() * (batch["labels"][:, 1:] != IGNORE_INDEX)).sum()
     return weighted_lm_loss(logits, batch["labels"], batch["weights"]) * w
 
 
@@ -51,7 +53,10 @@ def kept_logits_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> 
     return sft_loss_sums(model, batch)[0]
 
 
-def step_seconds(model: torch.nn.Module, opt: torch.optim.Optimizer, batch: dict[str, torch.Tensor], loss_fn) -> tuple[float, float]:
+LossFn = Callable[[torch.nn.Module, dict[str, torch.Tensor]], torch.Tensor]
+
+
+def step_seconds(model: torch.nn.Module, opt: torch.optim.Optimizer, batch: dict[str, torch.Tensor], loss_fn: LossFn) -> tuple[float, float]:
     """(seconds, loss) of forward + backward + optimizer step on one batch."""
     start = time.perf_counter()
     loss = loss_fn(model, batch)
@@ -74,13 +79,13 @@ def main() -> None:
     model, tok = load_hf_checkpoint(args.root / "checkpoints" / "gr2-base")
     n_needed = cfg.batch_size * args.batches * 4
     enc = [encode_example(tok, p, r, cfg) for p, r in zip(traces["prompt"][:n_needed], traces["response"][:n_needed])]
-    sampler = LengthGroupedBatches([len(e["input_ids"]) for e in enc], cfg.batch_size, seed=0)
+    sampler = LengthGroupedBatches([len(e["input_ids"]) for e in enc], cfg.batch_size, cfg.seed)
     batches = [collate_right_padded([enc[i] for i in idx], tok.pad_token_id) for idx in list(sampler)[: args.batches]]
     positions = sum(int(b["attention_mask"].sum()) for b in batches)
-    predicted = sum(int((b["labels"][:, 1:] != -100).sum()) for b in batches)
+    predicted = sum(int((b["labels"][:, 1:] != IGNORE_INDEX).sum()) for b in batches)
     print(f"{len(batches)} batches of {cfg.batch_size}, {positions} positions, {predicted / positions:.3f} of them predict a token, vocabulary {len(tok)}", flush=True)
 
-    runs = {"full logits": full_logits_loss, "kept logits": kept_logits_loss}
+    runs: dict[str, LossFn] = {"full logits": full_logits_loss, "kept logits": kept_logits_loss}
     models = {name: copy.deepcopy(model).train() for name in runs}
     opts = {name: torch.optim.AdamW(m.parameters(), lr=0.0) for name, m in models.items()}  # lr 0: every repeat sees the same weights
     times: dict[str, list[float]] = {name: [] for name in runs}
