@@ -109,7 +109,7 @@ class BenchParams(StageConfig):
     explanation_taus: list[Unit] = []
     explanation_sub_block_size: Count | None = None  # those rows' sub-block size past the answer (null: the row's)
     # Speculative rows: GR2 verifies what each of these diffusion models drafts (those that exist).
-    spec_models: list[str] = ["dgr2-naive", "dgr2-cft", "dgr2-opd", "dgr2"]
+    spec_models: list[str] = ["dgr2"]
     spec_draft_len: Count = 32  # tokens drafted per round (the drafter stops at its block end anyway)
     spec_steps: Count = 1  # denoising forwards of the drafter per round
     # Where the drafter drafts: "block", on its own blocks (each round's forward covers the active
