@@ -33,6 +33,10 @@ from tasks.tracking import process_alive, process_start
 log = logging.getLogger("flows.prefect_api")
 
 STATE_DIR = ".gr2/prefect-api"
+# Seconds the temporary API may take to answer (or PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS
+# when larger). It answers in about 10 s on an idle 2-core machine; Prefect's own 20 s failed to
+# start it with the test suite and a stage sharing the two cores.
+STARTUP_TIMEOUT_S = 120
 # In the server's command line (prefect/server/api/server.py, SubprocessASGIServer).
 SERVER_MARK = "prefect.server.api.server:create_app"
 
@@ -139,7 +143,7 @@ def temporary_api(root: Path, logger: logging.Logger | None = None) -> Iterator[
     server's life is not ours. Orphans of earlier commands are stopped first.
     """
     from prefect.server.api.server import SubprocessASGIServer
-    from prefect.settings import PREFECT_API_URL
+    from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS
 
     logger = logger or log
     root = root.resolve()
@@ -153,7 +157,7 @@ def temporary_api(root: Path, logger: logging.Logger | None = None) -> Iterator[
     # screen of connection errors. So the server never gets SIGINT; it is stopped with
     # SIGTERM (`server.stop()`, the watchdog).
     with _sigint_blocked():
-        server.start()
+        server.start(timeout=max(STARTUP_TIMEOUT_S, PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS.value()))
     proc = server.server_process
     if proc is None:  # started and stopped by someone else already; nothing to guard
         yield server.api_url

@@ -3,6 +3,7 @@ raw-id model and prompts of the decoders' tests (`model`, `prompts`)."""
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 
@@ -21,6 +22,28 @@ for key, value in {
     "GR2_TRACKING": "off",
 }.items():
     os.environ.setdefault(key, value)
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """Under `-n 2` (the README's test command) every module that reads the smoke run (`smoke_run`, a
+    few minutes to build) goes to one worker, so the smoke run is built once per run, not once per
+    worker; the other modules go whole to whichever worker is free, so a module's own fixtures are
+    built once too. (`--dist loadgroup` would do it by mark, but xdist 3.8 names the groups through
+    a node attribute pytest 9 no longer reads.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class SmokeRunScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::")[0]
+            return "smoke_run" if _reads_smoke_run(module) else module
+
+    return SmokeRunScheduling(config, log)
+
+
+@functools.cache
+def _reads_smoke_run(module: str) -> bool:
+    path = ROOT / module
+    return path.suffix == ".py" and path.exists() and "smoke_run" in path.read_text()
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -69,6 +92,8 @@ def prefect_harness(tmp_path_factory: pytest.TempPathFactory):
     from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, PREFECT_HOME, PREFECT_RESULTS_LOCAL_STORAGE_PATH, temporary_settings
     from prefect.testing.utilities import prefect_test_harness
 
+    from flows.prefect_api import STARTUP_TIMEOUT_S
+
     base = tmp_path_factory.mktemp("prefect")
     with temporary_settings(
         updates={
@@ -77,7 +102,7 @@ def prefect_harness(tmp_path_factory: pytest.TempPathFactory):
             PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None,
         }
     ):
-        with prefect_test_harness():
+        with prefect_test_harness(server_startup_timeout=STARTUP_TIMEOUT_S):  # 30 s by default: short under load
             yield
 
 

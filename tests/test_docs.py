@@ -35,6 +35,7 @@ EXPENSIVE: dict[tuple[str, ...], str] = {
     ("gr2", "report"): "reads a workspace made by the commands before it",
     (".venv/bin/python", "experiments/seeds.py"): "trains sft and ar_rl per seed on a workspace",
     (".venv/bin/python", "experiments/eval_checkpoint.py"): "decodes every example of a workspace",
+    ("gr2", "serve-check"): "serves a registered version of a workspace made by the commands before it",
 }
 
 
