@@ -99,7 +99,7 @@ class ModelGates(_Config):
     split: str = "test"
     metrics: list[str] = ["recall@1", "ndcg@3"]  # no worse than the champion beyond `tolerance`
     tolerance: float = 0.005  # absolute
-    min_valid_format: float = 0.99
+    min_valid_permutation: float = 0.99
     speed: SpeedGate | None = None  # diffusion and speculative models only
     # Speculative models only: the least share of the split's evaluated examples whose answers
     # are GR2's token for token (evaluate's `spec-<drafter>` row, equal_to_gr2_rate). At 1.0,
@@ -396,11 +396,12 @@ class Decision:
 
     def table(self) -> str:
         """The gates as a fixed-width text table."""
-        head = f"{'gate':<26} {'challenger':>10} {'champion':>10} {'threshold':>10}  result  rule"
+        width = max([26, *(len(g.name) for g in self.gates)])
+        head = f"{'gate':<{width}} {'challenger':>10} {'champion':>10} {'threshold':>10}  result  rule"
         lines = [head, "-" * len(head)]
         for g in self.gates:
             note = f" ({g.note})" if g.note else ""
-            lines.append(f"{g.name:<26} {_fmt(g.value):>10} {_fmt(g.reference):>10} {_fmt(g.threshold):>10}  {'pass' if g.passed else 'FAIL':<6}  {g.rule}{note}")
+            lines.append(f"{g.name:<{width}} {_fmt(g.value):>10} {_fmt(g.reference):>10} {_fmt(g.threshold):>10}  {'pass' if g.passed else 'FAIL':<6}  {g.rule}{note}")
         return "\n".join(lines)
 
     def markdown(self) -> str:
@@ -470,7 +471,7 @@ def judge(tags: dict[str, str], champion_tags: dict[str, str] | None, gates: Mod
             continue
         threshold = ref - gates.tolerance
         out.append(GateResult(name, value >= threshold - 1e-12, value, ref, threshold, f">= champion - {gates.tolerance:g}"))
-    key = eval_tag(gates.split, "valid_format_rate")
+    key = eval_tag(gates.split, "valid_permutation_rate")
     value = _num(tags, key)
     # Under the answer grammar every answer is valid by construction: such a rate says nothing of the model.
     grammar = tags.get("eval.grammar") == "true"
@@ -482,12 +483,12 @@ def judge(tags: dict[str, str], champion_tags: dict[str, str] | None, gates: Mod
         note = ""
     out.append(
         GateResult(
-            f"valid_format_rate ({gates.split})",
-            value is not None and value >= gates.min_valid_format and not grammar,
+            f"valid_permutation_rate ({gates.split})",
+            value is not None and value >= gates.min_valid_permutation and not grammar,
             value,
             _num(champion_tags or {}, key),
-            gates.min_valid_format,
-            f">= {gates.min_valid_format:g}, without a grammar",
+            gates.min_valid_permutation,
+            f">= {gates.min_valid_permutation:g}, without a grammar",
             note,
         )
     )

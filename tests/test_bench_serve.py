@@ -88,7 +88,7 @@ def test_bench_serve_on_the_smoke_champion(smoke_run: dict[str, Any], tmp_path: 
     store = f"sqlite:///{ws / 'mlflow.db'}"
     client = MlflowClient(tracking_uri=store, registry_uri=store)
     name = "diffusion-gr2" if "diffusion-gr2" in {m.name for m in client.search_registered_models()} else "gr2"
-    relaxed = ModelGates(tolerance=1.0, min_valid_format=0.0)  # a smoke model trained for seconds: gates relaxed
+    relaxed = ModelGates(tolerance=1.0, min_valid_permutation=0.0)  # a smoke model trained for seconds: gates relaxed
     assert promote(name, None, ws, PromoteConfig(models={name: relaxed}), client=client).status in ("promoted", "already-champion")
     out = tmp_path / "bench.json"
     gr2 = Path(sys.executable).parent / "gr2"

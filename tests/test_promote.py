@@ -44,7 +44,7 @@ from flows.registry import CHALLENGER, DecoderSetting, ModelStage
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = Path(__file__).parent / "fixtures"
 
-GATES = ModelGates(split="test", metrics=["recall@1", "ndcg@3"], tolerance=0.005, min_valid_format=0.99)
+GATES = ModelGates(split="test", metrics=["recall@1", "ndcg@3"], tolerance=0.005, min_valid_permutation=0.99)
 DIFFUSION_GATES = GATES.model_copy(update={"speed": SpeedGate(min_speedup=2.0, tau=0.9, batch_size=1)})
 AR = DecoderSetting(decoder="ar")
 # evaluate's accuracy-table setting (params.yaml evaluate: tau 0.9, sub-blocks of 8, no cache, no grammar): what a
@@ -57,7 +57,7 @@ def evals(r1: float, n3: float, valid: float = 1.0, split: str = "test", setting
     """A version's tags as record_evaluations writes them: its checkpoint and setting, and evaluate's numbers."""
     return {
         "checkpoint_md5": MD5, **setting.tags(), "eval.checkpoint_md5": measured_on, "eval.setting": setting.label(), "eval.grammar": "false",
-        eval_tag(split, "recall@1"): str(r1), eval_tag(split, "ndcg@3"): str(n3), eval_tag(split, "valid_format_rate"): str(valid),
+        eval_tag(split, "recall@1"): str(r1), eval_tag(split, "ndcg@3"): str(n3), eval_tag(split, "valid_permutation_rate"): str(valid),
     }  # fmt: skip
 
 
@@ -109,17 +109,17 @@ def run_promote(client, name: str, gates: ModelGates = GATES, version: str | Non
 
 def test_project_params_have_gates_for_both_rerankers() -> None:
     cfg = load_promote_config(ROOT)
-    assert cfg.models["gr2"].min_valid_format == 0.99 and cfg.models["gr2"].speed is None
+    assert cfg.models["gr2"].min_valid_permutation == 0.99 and cfg.models["gr2"].speed is None
     assert cfg.models["diffusion-gr2"].speed is not None and cfg.models["diffusion-gr2"].speed.batch_size == 1
     assert set(cfg.models["gr2"].metrics) == {"recall@1", "ndcg@3"}
 
 
 def test_bad_gate_params_name_the_field(tmp_path: Path, client) -> None:
-    params = {"promote": {"models": {"gr2": {"tolerence": 0.01, "min_valid_format": "high"}}}}
+    params = {"promote": {"models": {"gr2": {"tolerence": 0.01, "min_valid_permutation": "high"}}}}
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
     with pytest.raises(PromotionError) as err:
         promote("gr2", None, tmp_path, client=client)
-    assert "promote.models.gr2.tolerence" in str(err.value) and "promote.models.gr2.min_valid_format" in str(err.value)
+    assert "promote.models.gr2.tolerence" in str(err.value) and "promote.models.gr2.min_valid_permutation" in str(err.value)
 
 
 def test_unknown_model_or_version_is_a_clear_error(client, model_name: str) -> None:
@@ -176,11 +176,19 @@ def test_judge_refuses_unverified_numbers() -> None:
 def test_judge_refuses_a_validity_measured_under_the_grammar() -> None:
     """Under the answer grammar every answer is valid (1.0 by construction): that is no evidence of the model's format."""
     grammar_only = {**evals(0.3, 0.4, valid=1.0), "eval.grammar": "true"}
-    gate = next(g for g in judge(grammar_only, None, GATES) if g.name == "valid_format_rate (test)")
+    gate = next(g for g in judge(grammar_only, None, GATES) if g.name == "valid_permutation_rate (test)")
     assert not gate.passed and gate.value == 1.0 and "measured under the answer grammar" in gate.note
     assert gate.name + ": measured under the answer grammar" in _why(gate)  # not "1.0000 < 0.9900"
-    own = next(g for g in judge(evals(0.3, 0.4, valid=0.97), None, GATES) if g.name == "valid_format_rate (test)")
+    own = next(g for g in judge(evals(0.3, 0.4, valid=0.97), None, GATES) if g.name == "valid_permutation_rate (test)")
     assert not own.passed and own.value == 0.97  # the model's own answers, 3% invalid
+
+
+def test_judge_reads_permutations_not_parsable_answers() -> None:
+    """An answer that parses but repeats a candidate is served as the incoming order: the gate counts it invalid
+    (dgr2 on the default profile: valid format 0.9957, valid permutations 0.9788)."""
+    tags = {**evals(0.3, 0.4, valid=0.9788), eval_tag("test", "valid_format_rate"): "0.9957"}
+    gate = next(g for g in judge(tags, None, GATES) if g.name.startswith("valid"))
+    assert gate.name == "valid_permutation_rate (test)" and gate.value == 0.9788 and not gate.passed
 
 
 def test_judge_refuses_numbers_of_another_decoder_setting() -> None:
@@ -212,8 +220,8 @@ def test_first_version_must_still_pass_absolute_gates(client, model_name: str) -
     v = add_version(client, model_name, evals(0.30, 0.40, valid=0.95))
     d = run_promote(client, model_name)
     assert d.status == "refused" and champion(client, model_name) is None
-    assert "valid_format_rate (test) 0.9500 < 0.9900" in d.summary() and "still no champion" in d.summary()
-    assert client.get_model_version(model_name, v).tags["promotion.failed_gates"] == "valid_format_rate (test)"
+    assert "valid_permutation_rate (test) 0.9500 < 0.9900" in d.summary() and "still no champion" in d.summary()
+    assert client.get_model_version(model_name, v).tags["promotion.failed_gates"] == "valid_permutation_rate (test)"
 
 
 def test_refusal_names_the_gate_and_numbers_and_keeps_the_champion(client, model_name: str) -> None:
@@ -358,7 +366,7 @@ def test_two_processes_racing(store: str, client, model_name: str) -> None:
 
 
 EVALUATED_WITH = {"tau": 0.9, "sub_block_size": 8, "sub_block_cache": False, "grammar_rows": True}  # evaluate's params in dvc.lock
-EVALUATION = {"dgr2-cft": {"test": {"recall@1": 0.291, "ndcg@3": 0.41, "valid_format_rate": 0.992, "n": 1615}}}
+EVALUATION = {"dgr2-cft": {"test": {"recall@1": 0.291, "ndcg@3": 0.41, "valid_permutation_rate": 0.992, "n": 1615}}}
 
 
 def _workspace(
@@ -414,7 +422,7 @@ def test_record_evaluations_tags_the_version_of_that_checkpoint(tmp_path: Path, 
     done = record_evaluations(root, client)
     assert done == [{"model": model_name, "version": v, "stage": "cft", "tagged": ["eval", "speed"]}]
     tags = client.get_model_version(model_name, v).tags
-    assert float(tags["eval.test.recall_at_1"]) == 0.291 and float(tags["eval.test.valid_format_rate"]) == 0.992
+    assert float(tags["eval.test.recall_at_1"]) == 0.291 and float(tags["eval.test.valid_permutation_rate"]) == 0.992
     assert tags["eval.model"] == "dgr2-cft" and tags["eval.checkpoint_md5"] == "abc.dir" and tags["eval.grammar"] == "false"
     assert tags["eval.setting"] == tags["speed.setting"] == SERVED.label()
     # The served setting's rows (tau 0.9, sub-blocks of 8, no grammar), one per batch size, and nothing else.
@@ -491,7 +499,7 @@ def test_unverified_numbers_are_refused_with_the_reason(tmp_path: Path, client, 
     assert record_evaluations(root, client)[0]["tagged"] == ["eval", "speed"]
     tags = client.get_model_version(model_name, v).tags
     assert tags["eval.checkpoint_md5"] == tags["speed.checkpoint_md5"] == "unverified"
-    relaxed = ModelGates(tolerance=1.0, min_valid_format=0.0, speed=SpeedGate(min_speedup=0.5, tau=0.9, batch_size=1))
+    relaxed = ModelGates(tolerance=1.0, min_valid_permutation=0.0, speed=SpeedGate(min_speedup=0.5, tau=0.9, batch_size=1))
     d = promote(model_name, v, root, PromoteConfig(models={model_name: relaxed}), client=client)
     assert d.status == "refused" and [g.name for g in d.failed] == ["evidence (dvc.lock)"], d.table()
     assert "the eval numbers are unverified: dvc.lock does not tie metrics/evaluate.json to this version's checkpoint" in d.summary()
@@ -500,12 +508,12 @@ def test_unverified_numbers_are_refused_with_the_reason(tmp_path: Path, client, 
 
 def test_a_grammar_only_validity_is_not_the_models(tmp_path: Path, client, model_name: str, cft_stage: ModelStage) -> None:
     """A headline row decoded under the grammar (its grammar_changed_rate; every answer valid) is not the served setting."""
-    grammar_row = {"test": {**EVALUATION["dgr2-cft"]["test"], "valid_format_rate": 1.0, "grammar_changed_rate": 0.06}}
+    grammar_row = {"test": {**EVALUATION["dgr2-cft"]["test"], "valid_permutation_rate": 1.0, "grammar_changed_rate": 0.06}}
     root = _workspace(tmp_path, "abc.dir", "abc.dir", evaluation={"dgr2-cft": grammar_row})
     v = add_version(client, model_name, {"checkpoint_md5": "abc.dir", **SERVED.tags()})
     assert record_evaluations(root, client)[0]["tagged"] == ["speed"]
     d = promote(model_name, v, root, project_gates(model_name), client=client)
-    gate = next(g for g in d.gates if g.name == "valid_format_rate (test)")
+    gate = next(g for g in d.gates if g.name == "valid_permutation_rate (test)")
     assert not gate.passed and gate.value is None and "under the answer grammar" in gate.note, d.table()
 
 
@@ -582,5 +590,5 @@ def test_promote_flow_records_a_markdown_artifact(prefect_harness, cli_root: Pat
 
     artifacts = asyncio.run(read())
     assert len(artifacts) == 1 and artifacts[0].type == "markdown"
-    assert "REFUSED" in artifacts[0].data and "| valid_format_rate (test) | 0.5000 |" in artifacts[0].data
+    assert "REFUSED" in artifacts[0].data and "| valid_permutation_rate (test) | 0.5000 |" in artifacts[0].data
     assert str(artifacts[0].flow_run_id) == tags["promotion.prefect_flow_run_id"]

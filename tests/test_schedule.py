@@ -154,7 +154,7 @@ def test_scheduled_run_retrains_and_promotes(smoke_run: dict[str, Any], tmp_path
     params = yaml.safe_load((ws / "params.yaml").read_text())
     params["schedule"]["source"] = str(source)
     for gates in params["promote"]["models"].values():  # the smoke models write no valid answers
-        gates["min_valid_format"] = 0.0
+        gates["min_valid_permutation"] = 0.0
         if gates.get("speed"):
             gates["speed"]["min_speedup"] = 0.0
     (ws / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))

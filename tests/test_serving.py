@@ -54,7 +54,7 @@ def served(smoke_run: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) 
     client = MlflowClient(tracking_uri=store, registry_uri=store)
     names = {m.name for m in client.search_registered_models()}
     name = "diffusion-gr2" if "diffusion-gr2" in names else "gr2"
-    relaxed = ModelGates(tolerance=1.0, min_valid_format=0.0)
+    relaxed = ModelGates(tolerance=1.0, min_valid_permutation=0.0)
     decision = promote(name, None, ws, PromoteConfig(models={name: relaxed}), client=client)
     assert decision.status in ("promoted", "already-champion"), decision.summary()
 

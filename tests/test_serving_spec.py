@@ -63,7 +63,7 @@ def _workspace(root: Path) -> None:
     }
     (root / "dvc.lock").write_text(yaml.safe_dump(lock))
     (root / "metrics").mkdir()
-    spec_row = {"recall@1": 0.34, "ndcg@3": 0.47, "valid_format_rate": 0.999, "equal_to_gr2_rate": 1.0, "n": 2076.0,
+    spec_row = {"recall@1": 0.34, "ndcg@3": 0.47, "valid_permutation_rate": 0.999, "equal_to_gr2_rate": 1.0, "n": 2076.0,
                 "draft_len": DRAFT_LEN, "draft_steps": DRAFT_STEPS}  # fmt: skip
     (root / "metrics/evaluate.json").write_text(json.dumps({"gr2": {"test": {"recall@1": 0.34}}, "spec-dgr2": {"test": spec_row}}))
     spec = {"decoder": "spec", "model": "dgr2", "tau": None, "sub_block_size": None, "draft_len": DRAFT_LEN, "draft_steps": DRAFT_STEPS}
@@ -223,8 +223,8 @@ def test_evaluation_and_speed_reach_the_version_and_its_gates(registered: Any) -
 def test_equality_gate_names_the_rate_the_count_and_the_shortfall() -> None:
     from flows.promote import ModelGates, _why, eval_tag, judge
 
-    gates = ModelGates(metrics=[], min_valid_format=0.0, min_equal_to_gr2=1.0)
-    tags = {eval_tag("test", "valid_format_rate"): "1.0", eval_tag("test", "n"): "2000.0"}
+    gates = ModelGates(metrics=[], min_valid_permutation=0.0, min_equal_to_gr2=1.0)
+    tags = {eval_tag("test", "valid_permutation_rate"): "1.0", eval_tag("test", "n"): "2000.0"}
     equal = {g.name: g for g in judge({**tags, eval_tag("test", "equal_to_gr2_rate"): "1.0"}, None, gates)}
     assert equal["equal_to_gr2_rate (test)"].passed
     two_differ = judge({**tags, eval_tag("test", "equal_to_gr2_rate"): "0.999"}, None, gates)
