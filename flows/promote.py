@@ -20,8 +20,8 @@ Evidence lives on the registered versions as tags, so a decision can be read
 
 `promote` judges the version against the current champion (gates: the numbers
 measured on this checkpoint and with the served setting; no worse on the
-configured metrics beyond a tolerance, valid-format rate of the model's own
-answers (no grammar) at least a floor, and for diffusion models a decode
+configured metrics beyond a tolerance, the share of the model's own answers
+(no grammar) that are a permutation of the candidates at least a floor, and for diffusion models a decode
 speed-up floor (time per example) at a given tau and batch size; for `spec-gr2`
 answers equal to GR2's on every evaluated example and a speed-up floor of its
 own), then commits under a per-model lock: re-read the champion, refuse if it
